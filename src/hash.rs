@@ -1,0 +1,443 @@
+//! Block and sequence hashes, compatible with Dynamo's `public-xxh3-v1` and
+//! `keyed-xxh3-v1` (spec `selection-api.md` §5).
+//!
+//! - A *local block hash* is XXH3-64 over one full block's tokens as
+//!   little-endian `u32`s (plus, for multimodal blocks, the block's sorted
+//!   `mm_hash`es as little-endian `u64`s), seeded from the LoRA name and cache
+//!   salt. It is position independent: the index matches on it.
+//! - A *sequence hash* chains local hashes so that it identifies a whole prefix.
+//!   It is the booking identity of a block, and the index uses the public chain
+//!   as its position-aware key.
+//!
+//! Everything here is pure: slices in, values out. A trailing partial block is
+//! never hashed.
+
+use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
+
+/// Seed of the public block hash and of the public sequence chain.
+pub const PUBLIC_SEED: u64 = 1337;
+
+/// Seed of a block hash with the given LoRA name and cache salt (§5.1). Empty
+/// strings behave exactly like absent values.
+pub fn salt_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
+    let mut seed = PUBLIC_SEED;
+    if let Some(lora) = lora_name.filter(|s| !s.is_empty()) {
+        seed = seed.wrapping_add(xxh3_64_with_seed(lora.as_bytes(), 0));
+    }
+    if let Some(salt) = cache_salt.filter(|s| !s.is_empty()) {
+        seed = seed.wrapping_add(xxh3_64_with_seed(salt.as_bytes(), 1));
+    }
+    seed
+}
+
+/// Number of full blocks of `n` tokens: `floor(n / bs)`, or `floor((n-1) / bs)`
+/// for eagle windows of `bs + 1` tokens.
+pub fn block_count(n: usize, block_size: u32, eagle: bool) -> usize {
+    let bs = block_size as usize;
+    if bs == 0 {
+        return 0;
+    }
+    if eagle {
+        n.saturating_sub(1) / bs
+    } else {
+        n / bs
+    }
+}
+
+/// The little-endian bytes of a token window, without copying on little-endian
+/// targets.
+#[inline]
+fn token_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(tokens))
+    } else {
+        std::borrow::Cow::Owned(tokens.iter().flat_map(|t| t.to_le_bytes()).collect())
+    }
+}
+
+/// Appends the local block hash of every full block of `tokens` to `out`.
+///
+/// `mm_hashes`, when given, holds per block the multimodal hashes to mix in
+/// (`None` or an empty list for a plain block); they are hashed sorted
+/// ascending, after the tokens.
+pub fn local_block_hashes(
+    tokens: &[u32],
+    block_size: u32,
+    eagle: bool,
+    seed: u64,
+    mm_hashes: Option<&[Option<Vec<u64>>]>,
+    out: &mut Vec<u64>,
+) {
+    let bs = block_size as usize;
+    let blocks = block_count(tokens.len(), block_size, eagle);
+    let window = if eagle { bs + 1 } else { bs };
+    out.reserve(blocks);
+    let mut sorted = Vec::new();
+    for i in 0..blocks {
+        let start = i * bs;
+        let win = &tokens[start..start + window];
+        let mm = mm_hashes
+            .and_then(|m| m.get(i))
+            .and_then(Option::as_ref)
+            .filter(|m| !m.is_empty());
+        let h = match mm {
+            None => xxh3_64_with_seed(&token_bytes(win), seed),
+            Some(mm) => {
+                sorted.clear();
+                sorted.extend_from_slice(mm);
+                sorted.sort_unstable();
+                let mut st = Xxh3::with_seed(seed);
+                st.update(&token_bytes(win));
+                for h in &sorted {
+                    st.update(&h.to_le_bytes());
+                }
+                st.digest()
+            }
+        };
+        out.push(h);
+    }
+}
+
+/// One link of a sequence chain: `XXH3_64(le(prev) || le(local), seed)`.
+#[inline]
+pub fn chain(prev: u64, local: u64, seed: u64) -> u64 {
+    let mut buf = [0u8; 16];
+    buf[..8].copy_from_slice(&prev.to_le_bytes());
+    buf[8..].copy_from_slice(&local.to_le_bytes());
+    xxh3_64_with_seed(&buf, seed)
+}
+
+/// Appends the sequence hashes of `local` to `out` (§5.2): the first equals the
+/// first local hash; each next one chains the previous sequence hash with the
+/// next local hash under `chain_seed` (1337 in public mode).
+pub fn sequence_hashes(local: &[u64], chain_seed: u64, out: &mut Vec<u64>) {
+    out.reserve(local.len());
+    let mut prev = 0;
+    for (i, &h) in local.iter().enumerate() {
+        prev = if i == 0 {
+            h
+        } else {
+            chain(prev, h, chain_seed)
+        };
+        out.push(prev);
+    }
+}
+
+/// Secret material of `keyed-xxh3-v1` tracking (§5.5).
+#[derive(Clone)]
+pub struct TrackingKey {
+    pub key: [u8; 32],
+    pub key_id: String,
+}
+
+impl std::fmt::Debug for TrackingKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrackingKey")
+            .field("key_id", &self.key_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What identifies a keyed tracking domain.
+pub struct KeyedDomain<'a> {
+    pub model_name: &'a str,
+    pub routing_group: &'a str,
+    pub block_size: u32,
+    pub cache_salt: Option<&'a str>,
+    pub lora_name: Option<&'a str>,
+    pub is_eagle: bool,
+}
+
+const KEYED_DOMAIN: &[u8] = b"dynamo.router.tracking-hash/keyed-xxh3-v1";
+
+impl TrackingKey {
+    /// `(block_seed, chain_seed)` of a keyed tracking domain.
+    pub fn seeds(&self, d: &KeyedDomain<'_>) -> (u64, u64) {
+        fn fixed(h: &mut blake3::Hasher, tag: u8, bytes: &[u8]) {
+            h.update(&[tag]);
+            h.update(&(bytes.len() as u64).to_le_bytes());
+            h.update(bytes);
+        }
+        fn optional(h: &mut blake3::Hasher, tag: u8, s: Option<&str>) {
+            match s.filter(|s| !s.is_empty()) {
+                None => {
+                    h.update(&[tag, 0]);
+                }
+                Some(s) => {
+                    h.update(&[tag, 1]);
+                    h.update(&(s.len() as u64).to_le_bytes());
+                    h.update(s.as_bytes());
+                }
+            }
+        }
+        let mut h = blake3::Hasher::new_keyed(&self.key);
+        h.update(KEYED_DOMAIN);
+        h.update(&[0]);
+        fixed(&mut h, 1, self.key_id.as_bytes());
+        fixed(&mut h, 2, d.model_name.as_bytes());
+        fixed(&mut h, 3, d.routing_group.as_bytes());
+        fixed(&mut h, 4, &d.block_size.to_le_bytes());
+        optional(&mut h, 5, d.cache_salt);
+        optional(&mut h, 6, d.lora_name);
+        fixed(&mut h, 7, &[d.is_eagle as u8]);
+        let digest = h.finalize();
+        let b = digest.as_bytes();
+        let block_seed = u64::from_le_bytes(b[0..8].try_into().unwrap());
+        let chain_seed = u64::from_le_bytes(b[8..16].try_into().unwrap());
+        (block_seed, chain_seed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(
+        tokens: &[u32],
+        bs: u32,
+        eagle: bool,
+        lora: Option<&str>,
+        salt: Option<&str>,
+    ) -> Vec<i64> {
+        let mut local = Vec::new();
+        local_block_hashes(tokens, bs, eagle, salt_seed(lora, salt), None, &mut local);
+        let mut out = Vec::new();
+        sequence_hashes(&local, PUBLIC_SEED, &mut out);
+        out.into_iter().map(|h| h as i64).collect()
+    }
+
+    fn range(a: u32, b: u32) -> Vec<u32> {
+        (a..=b).collect()
+    }
+
+    const V1: [i64; 4] = [
+        -1583300653928780152,
+        -5980354406663771828,
+        960926348267535642,
+        4923844688253642376,
+    ];
+    const V9: [i64; 3] = [
+        6752489653130089168,
+        9179783426037465070,
+        -1110493754701239145,
+    ];
+    const V10: [i64; 4] = [
+        6752489653130089168,
+        9179783426037465070,
+        -1110493754701239145,
+        5272114047328302112,
+    ];
+
+    #[test]
+    fn vector_01_02_full_blocks_and_partial_tail() {
+        assert_eq!(seq(&range(1, 64), 16, false, None, None), V1);
+        assert_eq!(seq(&range(1, 70), 16, false, None, None), V1);
+    }
+
+    #[test]
+    fn vector_03_04_short_and_empty() {
+        assert!(seq(&range(1, 15), 16, false, None, None).is_empty());
+        assert!(seq(&[], 16, false, None, None).is_empty());
+        assert!(seq(&[], 16, true, None, None).is_empty());
+    }
+
+    #[test]
+    fn vector_05_to_08_block_sizes() {
+        assert_eq!(
+            seq(&range(1, 64), 32, false, None, None),
+            [6399025751206689338, 5363944788349247025]
+        );
+        assert_eq!(
+            seq(&range(1, 10), 4, false, None, None),
+            [-3803038269031200164, 4945711292740353085]
+        );
+        assert_eq!(
+            seq(&[7, 8, 9], 1, false, None, None),
+            [
+                -7434946186450102303,
+                2981139977121471219,
+                -5886198947169695428
+            ]
+        );
+        assert_eq!(
+            seq(&range(100, 109), 3, false, None, None),
+            [
+                4316466824175819665,
+                8541951440943600741,
+                2704221756428056394
+            ]
+        );
+    }
+
+    #[test]
+    fn vector_09_to_13_eagle_windows() {
+        assert_eq!(seq(&range(1, 64), 16, true, None, None), V9);
+        assert_eq!(seq(&range(1, 65), 16, true, None, None), V10);
+        // #13: an eagle partition with is_eagle:false hashes plain windows.
+        assert_eq!(seq(&range(1, 65), 16, false, None, None), V1);
+    }
+
+    #[test]
+    fn vector_14_to_18_lora_and_salt() {
+        assert_eq!(
+            seq(&range(1, 64), 16, false, Some("adapter-a"), None),
+            [
+                4377081107200288488,
+                7377467575642017039,
+                -46267199052646533,
+                1112326616743196530
+            ]
+        );
+        assert_eq!(
+            seq(&range(1, 64), 16, false, None, Some("tenant-a")),
+            [
+                8175209796170318505,
+                1199464708288223189,
+                8909045955271374968,
+                5834240986346145931
+            ]
+        );
+        assert_eq!(
+            seq(
+                &range(1, 64),
+                16,
+                false,
+                Some("adapter-a"),
+                Some("tenant-a")
+            ),
+            [
+                6479329714943191495,
+                1048832103984355278,
+                -7557696592854020439,
+                8012940166391839893
+            ]
+        );
+        assert_eq!(seq(&range(1, 64), 16, false, Some(""), Some("")), V1);
+    }
+
+    #[test]
+    fn vector_19_20_extreme_tokens() {
+        assert_eq!(
+            seq(&[0; 32], 16, false, None, None),
+            [5523182284766269584, 3102875163438626881]
+        );
+        assert_eq!(
+            seq(&[u32::MAX; 16], 16, false, None, None),
+            [9046446989928805549]
+        );
+    }
+
+    #[test]
+    fn vector_21_22_multimodal() {
+        let tokens = range(0, 39);
+        let mut local = Vec::new();
+        let mm = vec![Some(vec![42u64]), None];
+        local_block_hashes(&tokens, 16, false, PUBLIC_SEED, Some(&mm), &mut local);
+        let mut out = Vec::new();
+        sequence_hashes(&local, PUBLIC_SEED, &mut out);
+        let out: Vec<i64> = out.into_iter().map(|h| h as i64).collect();
+        assert_eq!(out, [-1150668130253449645, 8017126656147137792]);
+        assert_eq!(
+            seq(&tokens, 16, false, None, None),
+            [-3136036677815684470, -4677586368451018952]
+        );
+    }
+
+    #[test]
+    fn supporting_values() {
+        let mut local = Vec::new();
+        local_block_hashes(&range(1, 64), 16, false, PUBLIC_SEED, None, &mut local);
+        assert_eq!(
+            local,
+            [
+                16863443419780771464,
+                2287610619914608821,
+                12129935312930971799,
+                5453111288643762282
+            ]
+        );
+        let mut local = Vec::new();
+        local_block_hashes(&range(1, 65), 16, true, PUBLIC_SEED, None, &mut local);
+        let local: Vec<i64> = local.into_iter().map(|h| h as i64).collect();
+        assert_eq!(
+            local,
+            [
+                6752489653130089168,
+                -3923387398594483938,
+                9119873847327268477,
+                -8304392038066847110
+            ]
+        );
+        let mut local = Vec::new();
+        local_block_hashes(&range(1, 64), 32, false, PUBLIC_SEED, None, &mut local);
+        assert_eq!(local, [6399025751206689338, 8774225238254794491]);
+        assert_eq!(xxh3_64_with_seed(b"adapter-a", 0), 8842669519798866845);
+        assert_eq!(salt_seed(Some("adapter-a"), None), 8842669519798868182);
+        assert_eq!(xxh3_64_with_seed(b"tenant-a", 1), 1948188790972762749);
+        assert_eq!(salt_seed(None, Some("tenant-a")), 1948188790972764086);
+        assert_eq!(
+            salt_seed(Some("adapter-a"), Some("tenant-a")),
+            10790858310771630931
+        );
+        // Event side: a LoRA store of tokens 1..32.
+        let mut local = Vec::new();
+        local_block_hashes(
+            &range(1, 32),
+            16,
+            false,
+            salt_seed(Some("adapter-a"), None),
+            None,
+            &mut local,
+        );
+        assert_eq!(local, [4377081107200288488, 16216151377791080369]);
+    }
+
+    #[test]
+    fn keyed_vector() {
+        let key = TrackingKey {
+            key: [0x5a; 32],
+            key_id: "2026-01".into(),
+        };
+        let tokens: Vec<u32> = (0..12).collect();
+        let run = |salt, lora| {
+            let (block_seed, chain_seed) = key.seeds(&KeyedDomain {
+                model_name: "model-a",
+                routing_group: "tenant-a",
+                block_size: 4,
+                cache_salt: salt,
+                lora_name: lora,
+                is_eagle: false,
+            });
+            let mut local = Vec::new();
+            local_block_hashes(&tokens, 4, false, block_seed, None, &mut local);
+            let mut out = Vec::new();
+            sequence_hashes(&local, chain_seed, &mut out);
+            out.into_iter().map(|h| h as i64).collect::<Vec<_>>()
+        };
+        assert_eq!(
+            run(Some("cache-a"), Some("adapter-a")),
+            [
+                4363769719052127296,
+                -3448220111546932189,
+                -4525829865824556860
+            ]
+        );
+        assert_eq!(
+            run(None, None),
+            [
+                9128120665308694112,
+                3464444111544908762,
+                -3717274867117557559
+            ]
+        );
+    }
+
+    #[test]
+    fn block_count_rules() {
+        assert_eq!(block_count(64, 16, false), 4);
+        assert_eq!(block_count(64, 16, true), 3);
+        assert_eq!(block_count(65, 16, true), 4);
+        assert_eq!(block_count(0, 16, true), 0);
+        assert_eq!(block_count(10, 0, false), 0);
+    }
+}

@@ -1,0 +1,1 @@
+//! ZeroMQ KV-event ingestion. (Lands with issue 3.)

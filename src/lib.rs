@@ -1,0 +1,21 @@
+//! kvselect: a KV-cache-aware worker selector for LLM inference fleets,
+//! compatible with the HTTP API of NVIDIA Dynamo's standalone selection
+//! service.
+//!
+//! A request flows top to bottom through these modules:
+//!
+//! | module | owns | does NOT |
+//! |---|---|---|
+//! | `pool` | bounded pools of reusable `u32`/`u64` buffers | know about JSON |
+//! | `parse` | JSON bodies -> typed request views; 400/422 classification | allocate per token |
+//! | `hash` | block and sequence hashes over `&[u32]` (pure) | touch the index |
+//! | `index` | lock-sharded KV index per partition: stores, removals, overlap | do I/O |
+//! | `ingest` | ZMQ subscribers, msgpack event decoding, gap replay | decide routing |
+//! | `reserve` | bookings, active load, pending-selection cache | pick workers |
+
+pub mod hash;
+pub mod index;
+pub mod ingest;
+pub mod parse;
+pub mod pool;
+pub mod reserve;

@@ -1,0 +1,1 @@
+//! Reservations and active load. (Lands with issue 4.)
