@@ -293,3 +293,245 @@ impl Drop for InFlight<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(id: &str) -> PendingKey {
+        PendingKey {
+            model_name: "rv".into(),
+            routing_group: "default".into(),
+            selection_id: id.into(),
+        }
+    }
+
+    fn sel(worker_id: u64, n: usize) -> PendingSelection {
+        PendingSelection {
+            wr: WorkerRank {
+                worker_id,
+                dp_rank: 0,
+            },
+            identities: (0..n as u64).collect(),
+            isl_tokens: 16 * n as u64,
+            effective_prefill_tokens: 16,
+            expected_output_tokens: Some(10),
+            track_prefill_tokens: true,
+            lora_name: None,
+        }
+    }
+
+    fn take(c: &PendingCache, id: &str, now: Instant) -> Result<u64, ClaimError<()>> {
+        c.claim(&key(id), now, |s| Ok::<_, ()>(s.wr.worker_id))
+    }
+
+    fn secs(t: f64) -> Duration {
+        Duration::from_secs_f64(t)
+    }
+
+    #[test]
+    fn ttl_hides_old_entries() {
+        let c = PendingCache::new(secs(2.0), 10, 1 << 20);
+        let t0 = Instant::now();
+        c.insert(key("c1"), sel(1, 4), t0);
+        assert_eq!(take(&c, "c1", t0 + secs(1.0)), Ok(1));
+        c.insert(key("c1"), sel(1, 4), t0);
+        assert_eq!(take(&c, "c1", t0 + secs(2.5)), Err(ClaimError::Missing));
+        // exactly at the TTL the entry is already gone
+        c.insert(key("c2"), sel(1, 4), t0);
+        assert_eq!(take(&c, "c2", t0 + secs(2.0)), Err(ClaimError::Missing));
+    }
+
+    #[test]
+    fn expired_entries_are_swept_on_insert() {
+        let c = PendingCache::new(secs(2.0), 10, 1 << 20);
+        let t0 = Instant::now();
+        c.insert(key("a"), sel(1, 4), t0);
+        c.insert(key("b"), sel(1, 4), t0 + secs(1.0));
+        assert_eq!(c.len(), 2);
+        c.insert(key("c"), sel(1, 4), t0 + secs(2.5)); // a expired, b not
+        assert_eq!(c.len(), 2);
+        assert_eq!(c.bytes(), 2 * entry_bytes(&key("b"), &sel(1, 4)));
+        assert_eq!(take(&c, "b", t0 + secs(2.6)), Ok(1));
+    }
+
+    #[test]
+    fn cap_two_evicts_oldest_first() {
+        let c = PendingCache::new(secs(60.0), 2, 1 << 20);
+        let t0 = Instant::now();
+        for (i, id) in ["a", "b", "c"].into_iter().enumerate() {
+            c.insert(key(id), sel(i as u64, 1), t0);
+        }
+        assert_eq!(c.len(), 2);
+        assert_eq!(take(&c, "a", t0), Err(ClaimError::Missing));
+        assert_eq!(take(&c, "b", t0), Ok(1));
+        assert_eq!(take(&c, "c", t0), Ok(2));
+    }
+
+    #[test]
+    fn byte_budget_evicts_oldest_and_oversized_entry_evicts_itself() {
+        // id 1 + model 2 + group 7 + 4 identities x 16 = 74 bytes per entry
+        let one = entry_bytes(&key("a"), &sel(0, 4));
+        assert_eq!(one, 74);
+        let c = PendingCache::new(secs(60.0), 100, 2 * one);
+        let t0 = Instant::now();
+        c.insert(key("a"), sel(1, 4), t0);
+        c.insert(key("b"), sel(2, 4), t0);
+        assert_eq!(c.bytes(), 2 * one);
+        c.insert(key("c"), sel(3, 4), t0);
+        assert_eq!((c.len(), c.bytes()), (2, 2 * one));
+        assert_eq!(take(&c, "a", t0), Err(ClaimError::Missing));
+        // larger than the whole budget: not kept, the others stay
+        c.insert(key("d"), sel(4, 100), t0);
+        assert_eq!(take(&c, "d", t0), Err(ClaimError::Missing));
+        assert_eq!(take(&c, "b", t0), Ok(2));
+        assert_eq!(take(&c, "c", t0), Ok(3));
+        assert_eq!((c.len(), c.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn oversized_replacement_drops_the_old_entry() {
+        let c = PendingCache::new(secs(60.0), 100, 100);
+        let t0 = Instant::now();
+        c.insert(key("a"), sel(1, 1), t0);
+        c.insert(key("a"), sel(2, 100), t0);
+        assert_eq!(take(&c, "a", t0), Err(ClaimError::Missing));
+    }
+
+    #[test]
+    fn latest_wins() {
+        let c = PendingCache::default();
+        let t0 = Instant::now();
+        c.insert(key("a"), sel(1, 4), t0);
+        c.insert(key("a"), sel(2, 8), t0);
+        assert_eq!(
+            (c.len(), c.bytes()),
+            (1, entry_bytes(&key("a"), &sel(2, 8)))
+        );
+        assert_eq!(take(&c, "a", t0), Ok(2));
+    }
+
+    #[test]
+    fn partition_is_part_of_the_key() {
+        let c = PendingCache::default();
+        let t0 = Instant::now();
+        c.insert(key("a"), sel(1, 4), t0);
+        let other = PendingKey {
+            model_name: "other".into(),
+            ..key("a")
+        };
+        assert_eq!(
+            c.claim(&other, t0, |_| Ok::<_, ()>(())),
+            Err(ClaimError::Missing)
+        );
+        assert_eq!(take(&c, "a", t0), Ok(1));
+    }
+
+    #[test]
+    fn rejected_claim_keeps_the_entry_and_success_is_single_use() {
+        let c = PendingCache::default();
+        let t0 = Instant::now();
+        c.insert(key("a"), sel(7, 4), t0);
+        let r: Result<(), _> = c.claim(&key("a"), t0, |s| Err(s.wr.worker_id));
+        assert_eq!(r, Err(ClaimError::Rejected(7)));
+        let r: Result<(), _> = c.claim(&key("a"), t0, |_| Err("503"));
+        assert_eq!(r, Err(ClaimError::Rejected("503")));
+        assert_eq!(take(&c, "a", t0), Ok(7));
+        assert_eq!(take(&c, "a", t0), Err(ClaimError::Missing));
+        assert_eq!((c.len(), c.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn discard_removes_the_entry() {
+        let c = PendingCache::default();
+        let t0 = Instant::now();
+        c.insert(key("a"), sel(1, 4), t0);
+        c.discard(&key("a"));
+        c.discard(&key("never"));
+        assert_eq!(take(&c, "a", t0), Err(ClaimError::Missing));
+        assert!(c.is_empty());
+    }
+
+    #[test]
+    fn zero_limits_keep_nothing() {
+        let t0 = Instant::now();
+        for c in [
+            PendingCache::new(Duration::ZERO, 10, 1 << 20),
+            PendingCache::new(secs(60.0), 0, 1 << 20),
+            PendingCache::new(secs(60.0), 10, 0),
+        ] {
+            c.insert(key("a"), sel(1, 0), t0);
+            assert_eq!(take(&c, "a", t0), Err(ClaimError::Missing));
+            assert_eq!((c.len(), c.bytes()), (0, 0));
+        }
+    }
+
+    #[test]
+    fn concurrent_claim_sees_in_flight_and_lock_is_not_held_during_f() {
+        let c = PendingCache::default();
+        let t0 = Instant::now();
+        c.insert(key("a"), sel(1, 4), t0);
+        // The closure re-enters the cache: it would deadlock if claim held
+        // the lock while running it.
+        let r = c.claim(&key("a"), t0, |_| {
+            assert_eq!(take(&c, "a", t0), Err(ClaimError::InFlight));
+            assert_eq!(c.len(), 1);
+            Ok::<_, ()>("booked")
+        });
+        assert_eq!(r, Ok("booked"));
+        assert_eq!(take(&c, "a", t0), Err(ClaimError::Missing));
+    }
+
+    #[test]
+    fn entry_replaced_during_claim_survives() {
+        let c = PendingCache::default();
+        let t0 = Instant::now();
+        c.insert(key("a"), sel(1, 4), t0);
+        let r = c.claim(&key("a"), t0, |s| {
+            c.insert(key("a"), sel(2, 4), t0);
+            Ok::<_, ()>(s.wr.worker_id)
+        });
+        assert_eq!(r, Ok(1));
+        assert_eq!(take(&c, "a", t0), Ok(2));
+    }
+
+    #[test]
+    fn panicking_claim_releases_the_entry() {
+        let c = PendingCache::default();
+        let t0 = Instant::now();
+        c.insert(key("a"), sel(1, 4), t0);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = c.claim(&key("a"), t0, |_| -> Result<(), ()> { panic!("boom") });
+        }));
+        assert!(r.is_err());
+        assert_eq!(take(&c, "a", t0), Ok(1));
+    }
+
+    #[test]
+    fn concurrent_replays_book_once() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let c = PendingCache::default();
+        let booked = AtomicUsize::new(0);
+        let t0 = Instant::now();
+        for round in 0..200 {
+            let id = format!("r{round}");
+            c.insert(key(&id), sel(1, 4), t0);
+            std::thread::scope(|s| {
+                for _ in 0..4 {
+                    s.spawn(|| {
+                        let r = c.claim(&key(&id), t0, |_| {
+                            booked.fetch_add(1, Ordering::SeqCst);
+                            Ok::<_, ()>(())
+                        });
+                        assert!(matches!(
+                            r,
+                            Ok(()) | Err(ClaimError::InFlight) | Err(ClaimError::Missing)
+                        ));
+                    });
+                }
+            });
+        }
+        assert_eq!(booked.load(Ordering::SeqCst), 200);
+        assert!(c.is_empty());
+    }
+}
