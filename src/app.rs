@@ -984,18 +984,83 @@ struct SelectResponse<'a> {
 }
 
 impl App {
-    /// GET /dump: every partition's index as the reference's recovery format.
+    /// GET /dump: every partition's index in the reference's recovery format.
     pub fn dump(&self) -> AppResult {
-        unimplemented!()
+        let parts = self.catalog.partitions();
+        let body = crate::index::dump::dump_body(
+            parts
+                .iter()
+                .map(|p| (p.model_name.as_str(), p.routing_group.as_str(), p.block_size, &*p.index)),
+        );
+        Ok(Reply {
+            created: false,
+            body: body.into_bytes(),
+        })
     }
 
-    /// Loads a peer's whole /dump object; returns the stored events applied.
-    pub fn load_dump(&self, _body: &[u8]) -> Result<usize, String> {
-        unimplemented!()
+    /// Loads a peer's whole /dump object into the local partitions (created
+    /// with the dumped block size when missing); returns the chains applied.
+    pub fn load_dump(&self, body: &[u8]) -> Result<usize, String> {
+        let parts = crate::index::dump::parse_dump(body).map_err(|e| e.to_string())?;
+        let mut applied = 0;
+        for p in parts {
+            let partition = self.catalog.ensure_partition(&p.model_name, &p.routing_group, p.block_size)?;
+            let report = crate::index::dump::load(&partition.index, &p.chains);
+            if report.dropped > 0 {
+                tracing::warn!(partition = %p.key, dropped = report.dropped, "dump chains without a parent were dropped");
+            }
+            applied += report.applied;
+        }
+        Ok(applied)
     }
 
+    /// GET /metrics: Prometheus text exposition.
     pub fn metrics_text(&self) -> String {
-        unimplemented!()
+        use std::fmt::Write;
+        let mut out = String::new();
+        let snap = self.catalog.snapshot();
+        let _ = writeln!(out, "# TYPE kvselect_schedulable_workers gauge");
+        let _ = writeln!(out, "kvselect_schedulable_workers {}", snap.schedulable_workers);
+        let _ = writeln!(out, "# TYPE kvselect_index_entries gauge");
+        let _ = writeln!(out, "# TYPE kvselect_index_nodes gauge");
+        let _ = writeln!(out, "# TYPE kvselect_index_bytes gauge");
+        for p in self.catalog.partitions() {
+            let st = p.index.stats();
+            let labels = format!(
+                "model_name={:?},routing_group={:?}",
+                p.model_name, p.routing_group
+            );
+            let _ = writeln!(out, "kvselect_index_entries{{{labels}}} {}", st.entries);
+            let _ = writeln!(out, "kvselect_index_nodes{{{labels}}} {}", st.nodes);
+            let _ = writeln!(out, "kvselect_index_bytes{{{labels}}} {}", st.bytes);
+        }
+        let ls = self.ledger.stats();
+        let _ = writeln!(out, "# TYPE kvselect_bookings gauge");
+        let _ = writeln!(out, "kvselect_bookings {}", ls.bookings);
+        let _ = writeln!(out, "# TYPE kvselect_active_identities gauge");
+        let _ = writeln!(out, "kvselect_active_identities {}", ls.identities);
+        let _ = writeln!(out, "# TYPE kvselect_pending_selections gauge");
+        let _ = writeln!(out, "kvselect_pending_selections {}", self.pending.len());
+        let _ = writeln!(out, "# TYPE kvselect_pending_selection_bytes gauge");
+        let _ = writeln!(out, "kvselect_pending_selection_bytes {}", self.pending.bytes());
+        let c = self.catalog.hub().stats().counters;
+        for (name, v) in [
+            ("messages", c.messages),
+            ("batches_applied", c.batches_applied),
+            ("malformed_dropped", c.malformed),
+            ("gaps", c.gaps),
+            ("gaps_lost", c.gaps_lost),
+            ("replays_started", c.replays_started),
+            ("replays_failed", c.replays_failed),
+            ("replayed_batches", c.replayed_batches),
+            ("engine_restarts", c.restarts),
+            ("stale_dropped", c.stale_dropped),
+            ("connect_errors", c.connect_errors),
+        ] {
+            let _ = writeln!(out, "# TYPE kvselect_ingest_{name}_total counter");
+            let _ = writeln!(out, "kvselect_ingest_{name}_total {v}");
+        }
+        out
     }
 
     /// /replica_sync/register_peer and deregister_peer: the body is checked
