@@ -153,20 +153,20 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     prefill_tokens: prefill,
                     now: t0 + Duration::from_secs(clock),
                 });
-                if model.bookings.contains_key(&id) {
-                    prop_assert_eq!(got, Err(ReserveError::Duplicate));
-                } else {
-                    prop_assert_eq!(got, Ok(()));
-                    let blocks = ids.iter().map(|&x| Block::Id(x)).collect();
-                    model.bookings.insert(
-                        id,
-                        MBooking {
+                match model.bookings.entry(id) {
+                    std::collections::hash_map::Entry::Occupied(_) => {
+                        prop_assert_eq!(got, Err(ReserveError::Duplicate));
+                    }
+                    std::collections::hash_map::Entry::Vacant(v) => {
+                        prop_assert_eq!(got, Ok(()));
+                        let blocks = ids.iter().map(|&x| Block::Id(x)).collect();
+                        v.insert(MBooking {
                             wr: rank(r),
                             blocks,
                             prefill,
                             at: clock,
-                        },
-                    );
+                        });
+                    }
                 }
             }
             Op::PrefillComplete { id } => {
