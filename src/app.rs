@@ -604,6 +604,7 @@ impl App {
         match claimed {
             Ok(reply) => Ok(reply),
             Err(ClaimError::Rejected(e)) => Err(e),
+            Err(ClaimError::InFlight) => Err(reserve_error(ReserveError::Duplicate, id)),
             Err(ClaimError::Missing) => Err(AppError::NotFound(format!(
                 "no pending selection {id} for {} (expired, already used, or never selected)",
                 partition_display(&key.model_name, &key.routing_group)

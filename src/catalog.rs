@@ -20,13 +20,23 @@ pub const DEFAULT_ROUTING_GROUP: &str = "default";
 
 /// One `(model_name, routing_group)`: its fixed block size and eagle setting,
 /// and its KV index. Partitions are never deleted.
-#[derive(Debug)]
 pub struct Partition {
     pub model_name: String,
     pub routing_group: String,
     pub block_size: u32,
     pub is_eagle: bool,
     pub index: Arc<Index>,
+}
+
+impl std::fmt::Debug for Partition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Partition")
+            .field("model_name", &self.model_name)
+            .field("routing_group", &self.routing_group)
+            .field("block_size", &self.block_size)
+            .field("is_eagle", &self.is_eagle)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Partition {
