@@ -309,9 +309,15 @@ pub fn decode_batch(payload: &[u8]) -> Result<KvBatch> {
     Ok(batch)
 }
 
+/// `["AllBlocksCleared"]` is 18 bytes; `{"type": "AllBlocksCleared"}` 23.
+const MIN_EVENT_BYTES: usize = 18;
+
 fn decode_events(c: &mut Cursor<'_>, batch: &mut KvBatch) -> Result<()> {
     let n = c.array_len("events array")?;
-    batch.events.reserve(n);
+    // A KvEvent is ~150 bytes but the smallest encoded event ~18: reserve by
+    // what the remaining bytes could really hold, so a header cannot make us
+    // allocate ~8x the message size up front.
+    batch.events.reserve(n.min(c.remaining() / MIN_EVENT_BYTES));
     for _ in 0..n {
         let mut raw = RawEvent::default();
         match c.container("event map or array")? {

@@ -54,6 +54,10 @@ pub struct IngestConfig {
     /// Messages handled per socket per poll round, so one busy engine cannot
     /// starve the other listeners of its thread.
     pub max_msgs_per_round: usize,
+    /// Largest message frame accepted (ZMQ_MAXMSGSIZE); a bigger one makes
+    /// ZMQ drop the connection (it then reconnects). Bounds the memory a
+    /// broken or hostile publisher can make us hold.
+    pub max_msg_bytes: i64,
 }
 
 pub const DEFAULT_THREADS: usize = 2;
@@ -64,6 +68,7 @@ pub const DEFAULT_HEARTBEAT_IVL: Duration = Duration::from_secs(5);
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(15);
 pub const DEFAULT_RCVHWM: i32 = 100_000;
 pub const DEFAULT_MAX_MSGS_PER_ROUND: usize = 256;
+pub const DEFAULT_MAX_MSG_BYTES: i64 = 64 << 20;
 /// Longest a poll sleeps with nothing scheduled (commands wake it anyway).
 const IDLE_POLL: Duration = Duration::from_secs(1);
 /// How long the hub waits for a thread to acknowledge a command.
@@ -80,6 +85,7 @@ impl Default for IngestConfig {
             heartbeat_timeout: DEFAULT_HEARTBEAT_TIMEOUT,
             rcvhwm: DEFAULT_RCVHWM,
             max_msgs_per_round: DEFAULT_MAX_MSGS_PER_ROUND,
+            max_msg_bytes: DEFAULT_MAX_MSG_BYTES,
         }
     }
 }
@@ -925,7 +931,7 @@ impl Listener {
         let now = Instant::now();
         let backing_off = self.replay_not_before.is_some_and(|t| now < t);
         if let (Some(ep), false, None) = (&self.spec.replay_endpoint, backing_off, &self.dealer) {
-            match open_dealer(&env.ctx, ep) {
+            match open_dealer(&env.ctx, ep, &env.config) {
                 Ok(d) => self.dealer = Some(d),
                 Err(e) => {
                     inc(&env.counters.connect_errors);
@@ -1050,6 +1056,7 @@ fn open_sub(
     s.set_reconnect_ivl(c.reconnect_min.as_millis() as i32)?;
     s.set_reconnect_ivl_max(c.reconnect_max.as_millis() as i32)?;
     s.set_rcvhwm(c.rcvhwm)?;
+    s.set_maxmsgsize(c.max_msg_bytes)?;
     // Keepalive and heartbeats notice a silently dead peer; older libzmq may
     // lack heartbeats, which only costs that detection.
     let _ = s.set_tcp_keepalive(1);
@@ -1060,9 +1067,14 @@ fn open_sub(
     Ok(s)
 }
 
-fn open_dealer(ctx: &zmq::Context, endpoint: &str) -> Result<zmq::Socket, zmq::Error> {
+fn open_dealer(
+    ctx: &zmq::Context,
+    endpoint: &str,
+    c: &IngestConfig,
+) -> Result<zmq::Socket, zmq::Error> {
     let s = ctx.socket(zmq::DEALER)?;
     s.set_linger(0)?;
+    s.set_maxmsgsize(c.max_msg_bytes)?;
     s.connect(endpoint)?;
     Ok(s)
 }
