@@ -180,7 +180,12 @@ fn main() {
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {}: {e} (run `cargo build --release` first)", a.bin));
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot start {}: {e} (run `cargo build --release` first)",
+                a.bin
+            )
+        });
     let pid = child.id();
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut http = loop {
@@ -220,14 +225,21 @@ fn main() {
     loop {
         for (w, s) in pubs.iter().enumerate() {
             let hashes: Vec<u64> = (0..prefix_blocks as u64).map(|i| 1 + i).collect();
-            let mut events = vec![stored(&hashes, None, &prefix_tokens[..prefix_blocks * BS as usize])];
+            let mut events = vec![stored(
+                &hashes,
+                None,
+                &prefix_tokens[..prefix_blocks * BS as usize],
+            )];
             let suffix: Vec<u32> = (0..(a.suffix_blocks * BS as usize) as u32)
                 .map(|i| 200_000 + w as u32 * 10_000 + i)
                 .collect();
             let shash: Vec<u64> = (0..a.suffix_blocks as u64).map(|i| 1_000_000 + i).collect();
             events.push(stored(&shash, Some(prefix_blocks as u64), &suffix));
-            s.send_multipart([&b""[..], &seq[w].to_be_bytes()[..], &batch(&events)[..]], 0)
-                .unwrap();
+            s.send_multipart(
+                [&b""[..], &seq[w].to_be_bytes()[..], &batch(&events)[..]],
+                0,
+            )
+            .unwrap();
             seq[w] += 1;
         }
         std::thread::sleep(Duration::from_millis(300));
@@ -235,7 +247,11 @@ fn main() {
         let v: serde_json::Value = serde_json::from_slice(&resp).unwrap();
         let full = v["workers"]
             .as_array()
-            .map(|ws| ws.iter().filter(|w| w["device_blocks"] == prefix_blocks).count())
+            .map(|ws| {
+                ws.iter()
+                    .filter(|w| w["device_blocks"] == prefix_blocks)
+                    .count()
+            })
             .unwrap_or(0);
         if full == a.workers {
             break;
@@ -288,7 +304,10 @@ fn main() {
         percentile(&lat, 0.99),
         percentile(&lat, 0.999)
     );
-    println!("server_cpu_s={cpu_s:.3} req_per_s={:.0}", a.requests as f64 / wall);
+    println!(
+        "server_cpu_s={cpu_s:.3} req_per_s={:.0}",
+        a.requests as f64 / wall
+    );
     println!(
         "select_cpu_ms_per_request={:.3}",
         cpu_s * 1e3 / a.requests as f64

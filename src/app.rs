@@ -988,11 +988,14 @@ impl App {
     /// GET /dump: every partition's index in the reference's recovery format.
     pub fn dump(&self) -> AppResult {
         let parts = self.catalog.partitions();
-        let body = crate::index::dump::dump_body(
-            parts
-                .iter()
-                .map(|p| (p.model_name.as_str(), p.routing_group.as_str(), p.block_size, &*p.index)),
-        );
+        let body = crate::index::dump::dump_body(parts.iter().map(|p| {
+            (
+                p.model_name.as_str(),
+                p.routing_group.as_str(),
+                p.block_size,
+                &*p.index,
+            )
+        }));
         Ok(Reply {
             created: false,
             body: body.into_bytes(),
@@ -1005,7 +1008,9 @@ impl App {
         let parts = crate::index::dump::parse_dump(body).map_err(|e| e.to_string())?;
         let mut applied = 0;
         for p in parts {
-            let partition = self.catalog.ensure_partition(&p.model_name, &p.routing_group, p.block_size)?;
+            let partition =
+                self.catalog
+                    .ensure_partition(&p.model_name, &p.routing_group, p.block_size)?;
             let report = crate::index::dump::load(&partition.index, &p.chains);
             if report.dropped > 0 {
                 tracing::warn!(partition = %p.key, dropped = report.dropped, "dump chains without a parent were dropped");
@@ -1021,7 +1026,11 @@ impl App {
         let mut out = String::new();
         let snap = self.catalog.snapshot();
         let _ = writeln!(out, "# TYPE kvselect_schedulable_workers gauge");
-        let _ = writeln!(out, "kvselect_schedulable_workers {}", snap.schedulable_workers);
+        let _ = writeln!(
+            out,
+            "kvselect_schedulable_workers {}",
+            snap.schedulable_workers
+        );
         let _ = writeln!(out, "# TYPE kvselect_index_entries gauge");
         let _ = writeln!(out, "# TYPE kvselect_index_nodes gauge");
         let _ = writeln!(out, "# TYPE kvselect_index_bytes gauge");
@@ -1043,7 +1052,11 @@ impl App {
         let _ = writeln!(out, "# TYPE kvselect_pending_selections gauge");
         let _ = writeln!(out, "kvselect_pending_selections {}", self.pending.len());
         let _ = writeln!(out, "# TYPE kvselect_pending_selection_bytes gauge");
-        let _ = writeln!(out, "kvselect_pending_selection_bytes {}", self.pending.bytes());
+        let _ = writeln!(
+            out,
+            "kvselect_pending_selection_bytes {}",
+            self.pending.bytes()
+        );
         let c = self.catalog.hub().stats().counters;
         for (name, v) in [
             ("messages", c.messages),

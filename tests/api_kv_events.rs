@@ -21,14 +21,14 @@ async fn connect(
     let probe = tokens(900_000, 900_015);
     let ok = eventually(WAIT, || {
         p.send_events(&[stored(&[u64::MAX - 7], None, &probe, 16, "GPU")], dp_rank);
-        async { device_blocks(s, model, &probe, worker_id).await.0 == 1 }
+        async { rank_blocks(s, model, &probe, worker_id, dp_rank.unwrap_or(0)).await == 1 }
     })
     .await;
     assert!(ok, "subscriber for worker {worker_id} never connected");
     p.send_events(&[removed(&[u64::MAX - 7], "GPU")], dp_rank);
     assert!(
         eventually(WAIT, || async {
-            device_blocks(s, model, &probe, worker_id).await.0 == 0
+            rank_blocks(s, model, &probe, worker_id, dp_rank.unwrap_or(0)).await == 0
         })
         .await
     );
@@ -294,7 +294,9 @@ async fn endpoint_change_clears_and_resubscribes_but_capacity_change_keeps_state
     p.send_events(&[stored(&[1, 2], None, &prompt, 16, "GPU")], None);
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(device_blocks(&s, "m", &prompt, 200).await.0, 1);
-    // Deleting the worker drops its blocks.
+    // Deleting the worker drops its blocks (another worker keeps the
+    // partition ready, so /overlap_scores still answers).
+    s.worker(201, "m", 16, &unused_endpoint()).await;
     s.delete("/workers/200").await;
     let scores = s
         .post(

@@ -332,3 +332,26 @@ pub async fn device_blocks(
         row["disk_blocks"].as_u64().unwrap(),
     )
 }
+
+/// Device blocks of one (worker, rank) for `tokens`, from /overlap_scores.
+pub async fn rank_blocks(
+    s: &TestServer,
+    model: &str,
+    tokens: &[u32],
+    worker_id: u64,
+    dp_rank: u32,
+) -> u64 {
+    let r = s
+        .post(
+            "/overlap_scores",
+            &json!({"model_name": model, "token_ids": tokens}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["worker_id"] == worker_id && w["dp_rank"] == dp_rank)
+        .map_or(0, |w| w["device_blocks"].as_u64().unwrap())
+}
