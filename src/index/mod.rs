@@ -601,56 +601,90 @@ impl Index {
                 rev[t].entry(k).or_insert(e);
             }
         }
-        for (t, tier) in Tier::ALL.into_iter().enumerate() {
-            // engine -> (local, parent engine and whether it is on this tier)
-            let mut info: FoldMap<u64, (u64, Option<(u64, bool)>)> = FoldMap::default();
-            let mut children: FoldMap<u64, Vec<u64>> = FoldMap::default();
-            let mut starts: Vec<u64> = Vec::new();
-            for (&e, &k) in &st.tiers[t] {
+        // Per tier: engine -> (local hash, parent as (tier it resolves on,
+        // engine hash)). Blocks whose parent the rank no longer holds are
+        // left out.
+        type Info = FoldMap<u64, (u64, Option<(usize, u64)>)>;
+        let mut info: [Info; 4] = Default::default();
+        for (t, m) in st.tiers.iter().enumerate() {
+            for (&e, &k) in m {
                 let Some((local, parent_key)) = self.node_info(k) else {
                     continue;
                 };
                 let parent = if parent_key == k {
                     None
                 } else {
-                    let same = rev[t].get(&parent_key).map(|&pe| (pe, true));
-                    let other = || {
-                        (0..4)
-                            .filter(|&u| u != t)
-                            .find_map(|u| rev[u].get(&parent_key).map(|&pe| (pe, false)))
-                    };
-                    match same.or_else(other) {
+                    // Name the parent by an engine hash that a store's parent
+                    // lookup (this tier first) resolves to that very key.
+                    let cand = std::iter::once(t)
+                        .chain((0..4).filter(|&u| u != t))
+                        .filter_map(|u| rev[u].get(&parent_key).copied())
+                        .find_map(|pe| match st.resolve(t, pe) {
+                            Some((u, k)) if k == parent_key => Some((u, pe)),
+                            _ => None,
+                        });
+                    match cand {
                         Some(p) => Some(p),
-                        None => continue, // orphan: unreachable
+                        None => continue,
                     }
                 };
+                info[t].insert(e, (local, parent));
+            }
+        }
+        // Keep only blocks whose whole ancestry is dumped, so a loader can
+        // apply every chain.
+        let mut ok: [FoldMap<u64, bool>; 4] = Default::default();
+        for t in 0..4 {
+            for &e in info[t].keys() {
+                let mut path = Vec::new();
+                let mut cur = (t, e);
+                let verdict = loop {
+                    if let Some(&v) = ok[cur.0].get(&cur.1) {
+                        break v;
+                    }
+                    if path.contains(&cur) || path.len() > 1 << 20 {
+                        break false;
+                    }
+                    path.push(cur);
+                    match info[cur.0].get(&cur.1) {
+                        None => break false,
+                        Some((_, None)) => break true,
+                        Some((_, Some(p))) => cur = *p,
+                    }
+                };
+                for p in path {
+                    ok[p.0].insert(p.1, verdict);
+                }
+            }
+        }
+        for (t, tier) in Tier::ALL.into_iter().enumerate() {
+            let mut children: FoldMap<u64, Vec<u64>> = FoldMap::default();
+            let mut starts: Vec<u64> = Vec::new();
+            for (&e, &(_, parent)) in &info[t] {
+                if ok[t].get(&e) != Some(&true) {
+                    continue;
+                }
                 match parent {
-                    Some((pe, true)) if pe != e => children.entry(pe).or_default().push(e),
+                    Some((u, pe)) if u == t => children.entry(pe).or_default().push(e),
                     _ => starts.push(e),
                 }
-                info.insert(e, (local, parent));
             }
             starts.sort_unstable();
-            let mut seen: FoldMap<u64, ()> = FoldMap::default();
             let mut stack: Vec<(Option<u64>, u64)> = starts
                 .iter()
                 .rev()
-                .map(|&e| (info[&e].1.map(|(p, _)| p), e))
+                .map(|&e| (info[t][&e].1.map(|(_, p)| p), e))
                 .collect();
             while let Some((parent, first)) = stack.pop() {
                 let mut blocks = Vec::new();
                 let mut cur = Some(first);
                 while let Some(e) = cur {
-                    if seen.insert(e, ()).is_some() {
-                        break;
-                    }
                     blocks.push(StoredBlock {
                         engine_hash: e,
-                        local_hash: info[&e].0,
+                        local_hash: info[t][&e].0,
                     });
                     cur = None;
-                    if let Some(kids) = children.get(&e) {
-                        let mut kids = kids.clone();
+                    if let Some(kids) = children.get_mut(&e) {
                         kids.sort_unstable();
                         for &k in kids.iter().skip(1).rev() {
                             stack.push((Some(e), k));
@@ -658,14 +692,12 @@ impl Index {
                         cur = kids.first().copied();
                     }
                 }
-                if !blocks.is_empty() {
-                    out.push(DumpChain {
-                        wr,
-                        tier,
-                        parent_engine_hash: parent,
-                        blocks,
-                    });
-                }
+                out.push(DumpChain {
+                    wr,
+                    tier,
+                    parent_engine_hash: parent,
+                    blocks,
+                });
             }
         }
     }
@@ -712,6 +744,13 @@ impl Index {
 }
 
 impl RankState {
+    /// Where a store on tier `t` naming parent `engine` finds it: (tier, key).
+    fn resolve(&self, t: usize, engine: u64) -> Option<(usize, u64)> {
+        std::iter::once(t)
+            .chain((0..4).filter(|&u| u != t))
+            .find_map(|u| self.tiers[u].get(&engine).map(|&k| (u, k)))
+    }
+
     /// Node key of the block this rank stored as `engine`, looking in tier `t`
     /// first, then the other tiers in `Tier::ALL` order.
     fn find(&self, t: usize, engine: u64) -> Option<u64> {
