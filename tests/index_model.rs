@@ -242,8 +242,8 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     }
     let entries: usize = model
         .m
-        .iter()
-        .map(|(_, m)| {
+        .values()
+        .map(|m| {
             let mut v: Vec<u64> = m.values().copied().collect();
             v.sort();
             v.dedup();
