@@ -444,7 +444,12 @@ impl Index {
 
     /// AllBlocksCleared: drops every tier of `wr`.
     pub fn clear(&self, wr: WorkerRank) {
-        let taken = self.ranks[rank_shard(wr.worker_id)].0.write().remove(&wr);
+        let taken = {
+            let mut reg = self.ranks[rank_shard(wr.worker_id)].0.write();
+            let r = reg.remove(&wr);
+            shrink(&mut reg);
+            r
+        };
         if let Some(rank) = taken {
             self.retire(wr, &rank);
         }
@@ -453,14 +458,18 @@ impl Index {
     /// Drops every rank and tier of a worker.
     pub fn remove_worker(&self, worker_id: u64) {
         let mut taken = Vec::new();
-        self.ranks[rank_shard(worker_id)].0.write().retain(|wr, r| {
-            if wr.worker_id == worker_id {
-                taken.push((*wr, r.clone()));
-                false
-            } else {
-                true
-            }
-        });
+        {
+            let mut reg = self.ranks[rank_shard(worker_id)].0.write();
+            reg.retain(|wr, r| {
+                if wr.worker_id == worker_id {
+                    taken.push((*wr, r.clone()));
+                    false
+                } else {
+                    true
+                }
+            });
+            shrink(&mut reg);
+        }
         for (wr, rank) in taken {
             self.retire(wr, &rank);
         }
@@ -487,6 +496,18 @@ impl Index {
         if slots.owners.get(*slot as usize) == Some(&Some(wr)) {
             slots.owners[*slot as usize] = None;
             slots.free.push(std::cmp::Reverse(*slot));
+            if *slot as usize + 1 == slots.owners.len() {
+                // Give the tail back so the table shrinks with the fleet.
+                while slots.owners.last() == Some(&None) {
+                    slots.owners.pop();
+                }
+                let len = slots.owners.len() as u32;
+                slots.free.retain(|s| s.0 < len);
+                if slots.owners.capacity() > 2 * slots.owners.len() + 16 {
+                    slots.owners.shrink_to_fit();
+                    slots.free.shrink_to_fit();
+                }
+            }
         }
     }
 
