@@ -79,6 +79,7 @@ pub struct Overlap {
 }
 
 mod holders;
+mod table;
 mod walk;
 
 pub mod dump;
@@ -90,7 +91,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use crate::hash::{chain, PUBLIC_SEED};
-use holders::{Change, Holders, MAX_SLOT};
+use holders::{Change, MAX_SLOT};
 
 /// Why a store was refused (nothing of it is indexed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,6 +144,8 @@ const NODE_SHARDS: usize = 1 << NODE_SHARD_BITS;
 const RANK_SHARDS: usize = 64;
 /// Blocks walked per batch of held shard read locks.
 const WALK_CHUNK: usize = 512;
+/// How many keys ahead the walk prefetches.
+const PREFETCH_AHEAD: usize = 8;
 
 /// Hasher for keys that are already hashes (or small ids): one folded
 /// 64x64->128 multiply spreads every input bit over the whole output, so both
@@ -185,16 +188,9 @@ impl Hasher for Fold {
 
 type FoldMap<K, V> = HashMap<K, V, BuildHasherDefault<Fold>>;
 
-struct Node {
-    local: u64,
-    /// Key of the parent node; equal to the node's own key for a root.
-    parent: u64,
-    holders: Holders,
-}
-
 #[derive(Default)]
 struct NodeTable {
-    nodes: FoldMap<u64, Node>,
+    nodes: table::NodeTable,
     entries: usize,
     heap: usize,
 }
@@ -374,11 +370,7 @@ impl Index {
     ) {
         let mut g = self.nodes[node_shard(key)].0.write();
         let table = &mut *g;
-        let node = table.nodes.entry(key).or_insert_with(|| Node {
-            local,
-            parent,
-            holders: Holders::default(),
-        });
+        let node = table.nodes.entry(key, local, parent);
         let before = node.holders.heap_bytes();
         let change = node.holders.set(slot, tier_bit(t));
         table.heap = table.heap + node.holders.heap_bytes() - before;
@@ -401,18 +393,15 @@ impl Index {
         }
         let mut g = self.nodes[node_shard(key)].0.write();
         let table = &mut *g;
-        let Some(node) = table.nodes.get_mut(&key) else {
-            return;
-        };
-        let before = node.holders.heap_bytes();
-        let change = node.holders.clear(slot, tier_bit(t));
-        table.heap = table.heap + node.holders.heap_bytes() - before;
-        if change == Change::Changed {
+        let heap = &mut table.heap;
+        let change = table.nodes.update(key, |node| {
+            let before = node.holders.heap_bytes();
+            let change = node.holders.clear(slot, tier_bit(t));
+            *heap = *heap + node.holders.heap_bytes() - before;
+            change
+        });
+        if change == Some(Change::Changed) {
             table.entries -= 1;
-        }
-        if node.holders.is_empty() {
-            table.nodes.remove(&key);
-            shrink(&mut table.nodes);
         }
     }
 
@@ -568,9 +557,18 @@ impl Index {
                 held = 0;
             }
             held += 1;
+            // The keys are known in advance: fetch a later bucket while this
+            // one is worked on (the walk is bound by cache misses).
+            if let Some(&ahead) = seq_keys.get(i + PREFETCH_AHEAD) {
+                let s = node_shard(ahead);
+                guards[s]
+                    .get_or_insert_with(|| self.nodes[s].0.read_recursive())
+                    .nodes
+                    .prefetch(ahead);
+            }
             let s = node_shard(key);
             let g = guards[s].get_or_insert_with(|| self.nodes[s].0.read_recursive());
-            walk.step(i as u32, g.nodes.get(&key).map(|n| &n.holders));
+            walk.step(i as u32, g.nodes.get(key).map(|n| &n.holders));
             if walk.done() {
                 walked = i;
                 break;
@@ -725,18 +723,17 @@ impl Index {
 
     fn node_info(&self, key: u64) -> Option<(u64, u64)> {
         let g = self.nodes[node_shard(key)].0.read();
-        g.nodes.get(&key).map(|n| (n.local, n.parent))
+        g.nodes.get(key).map(|n| (n.local, n.parent))
     }
 
     /// Size figures (walks every shard briefly; not for the hot path).
     pub fn stats(&self) -> IndexStats {
         let mut s = IndexStats::default();
-        let node_bucket = std::mem::size_of::<(u64, Node)>() + 1;
         for sh in self.nodes.iter() {
             let g = sh.0.read();
             s.nodes += g.nodes.len();
             s.entries += g.entries;
-            s.bytes += g.nodes.capacity() * node_bucket + g.heap;
+            s.bytes += g.nodes.bucket_bytes() + g.heap;
         }
         let map_bucket = std::mem::size_of::<(u64, u64)>() + 1;
         let dup_bucket = std::mem::size_of::<((u8, u64), u32)>() + 1;
