@@ -193,7 +193,7 @@ fn bytes_per_entry(shared: bool) -> (f64, usize) {
     for w in 0..workers {
         let blocks: Vec<StoredBlock> = (0..len)
             .map(|i| StoredBlock {
-                engine_hash: i * 0x9E37_79B9_7F4A_7C15 ^ w,
+                engine_hash: i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ w,
                 local_hash: if shared { i + 1 } else { (w << 32) | i },
             })
             .collect();
