@@ -152,14 +152,18 @@ fn apply_rate(threads: u64) -> f64 {
 /// 1,024 workers share a 1,000-block prefix; each has 250 blocks of its own
 /// after it, except worker 0, which holds the whole 6,250-block prompt.
 fn overlap_us() -> (f64, usize) {
+    overlap_us_with(1024, 250, 6250)
+}
+
+fn overlap_us_with(workers: u64, own: u64, query: usize) -> (f64, usize) {
     let ix = Index::new();
     let prompt: Vec<u64> = (0..6250u64).map(|i| i * 0x1_0000_0001 + 7).collect();
-    for w in 0..1024u64 {
+    for w in 0..workers {
         let mut local = prompt[..1000].to_vec();
         if w == 0 {
             local.extend_from_slice(&prompt[1000..]);
         } else {
-            local.extend((0..250u64).map(|i| (w << 40) | i));
+            local.extend((0..own).map(|i| (w << 40) | i));
         }
         let blocks: Vec<StoredBlock> = local
             .iter()
@@ -172,7 +176,7 @@ fn overlap_us() -> (f64, usize) {
         ix.store(wr(w), Tier::Device, None, &blocks).unwrap();
     }
     let mut keys = Vec::new();
-    sequence_hashes(&prompt, PUBLIC_SEED, &mut keys);
+    sequence_hashes(&prompt[..query], PUBLIC_SEED, &mut keys);
     let mut out = Vec::new();
     let mut runs = Vec::new();
     for _ in 0..15 {
@@ -206,6 +210,28 @@ fn bytes_per_entry(shared: bool) -> (f64, usize) {
 }
 
 fn main() {
+    // Profiling aid: `INDEX_REPORT_ONLY=overlap` runs just that part, longer.
+    if std::env::var("INDEX_REPORT_ONLY").as_deref() == Ok("overlap1") {
+        for _ in 0..30 {
+            println!("  1 worker, 6250: {:.1} us", overlap_us_with(1, 0, 6250).0);
+        }
+        return;
+    }
+    if std::env::var("INDEX_REPORT_ONLY").as_deref() == Ok("overlap") {
+        for _ in 0..3 {
+            println!("overlap {:.1} us", overlap_us().0);
+            println!("  1 worker, 6250: {:.1} us", overlap_us_with(1, 0, 6250).0);
+            println!(
+                "  1024 workers, no suffix, 1000: {:.1} us",
+                overlap_us_with(1024, 0, 1000).0
+            );
+            println!(
+                "  1024 workers, own 250, 1000: {:.1} us",
+                overlap_us_with(1024, 250, 1000).0
+            );
+        }
+        return;
+    }
     let gbps = hash_gbps();
     println!("hashing 100k tokens, bs 16 (local + sequence): {gbps:.2} GB/s of token bytes");
     let a1 = apply_rate(1);

@@ -145,7 +145,7 @@ const RANK_SHARDS: usize = 64;
 /// Blocks walked per batch of held shard read locks.
 const WALK_CHUNK: usize = 512;
 /// How many keys ahead the walk prefetches.
-const PREFETCH_AHEAD: usize = 8;
+const PREFETCH_AHEAD: usize = 24;
 
 /// Hasher for keys that are already hashes (or small ids): one folded
 /// 64x64->128 multiply spreads every input bit over the whole output, so both

@@ -34,9 +34,11 @@ impl Node {
         }
     }
 
+    /// Reads only the bucket itself: a node with list or bitset holders always
+    /// has more than two of them (smaller sets go back inline).
     #[inline]
     fn is_vacant(&self) -> bool {
-        self.holders.is_empty()
+        self.holders.is_inline_empty()
     }
 }
 
@@ -97,11 +99,13 @@ impl NodeTable {
         let mut d = 0;
         loop {
             let b = &self.buckets[i];
+            // Vacant buckets have key 0, so test vacancy only on a key match
+            // or before giving up.
+            if b.key == key && !b.is_vacant() {
+                return Some(i);
+            }
             if b.is_vacant() {
                 return None;
-            }
-            if b.key == key {
-                return Some(i);
             }
             if self.dist(i) < d {
                 return None;
