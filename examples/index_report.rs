@@ -11,7 +11,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Arc;
 
-use kvselect::hash::{local_block_hashes, sequence_hashes, PUBLIC_SEED};
+use kvselect::hash::{local_and_sequence_hashes, local_block_hashes, sequence_hashes, PUBLIC_SEED};
 use kvselect::index::{Index, StoredBlock, Tier, WorkerRank};
 use rand::{Rng, SeedableRng};
 
@@ -71,11 +71,14 @@ fn wr(w: u64) -> WorkerRank {
     }
 }
 
-fn hash_gbps() -> f64 {
+/// GB/s of token bytes for a 100k-token prompt at bs 16: (the two calls
+/// `local_block_hashes` + `sequence_hashes`, the fused
+/// `local_and_sequence_hashes`).
+fn hash_gbps() -> (f64, f64) {
     let mut rng = rand::rngs::SmallRng::seed_from_u64(1);
     let tokens: Vec<u32> = (0..100_000).map(|_| rng.random()).collect();
     let (mut local, mut seq) = (Vec::with_capacity(6250), Vec::with_capacity(6250));
-    let mut runs = Vec::new();
+    let (mut two, mut fused) = (Vec::new(), Vec::new());
     for _ in 0..15 {
         let t = cpu_now();
         for _ in 0..20 {
@@ -85,9 +88,26 @@ fn hash_gbps() -> f64 {
             sequence_hashes(&local, PUBLIC_SEED, &mut seq);
             std::hint::black_box(&seq);
         }
-        runs.push(20.0 * 400_000.0 / (cpu_now() - t) / 1e9);
+        two.push(20.0 * 400_000.0 / (cpu_now() - t) / 1e9);
+        let t = cpu_now();
+        for _ in 0..20 {
+            local.clear();
+            seq.clear();
+            local_and_sequence_hashes(
+                &tokens,
+                16,
+                false,
+                PUBLIC_SEED,
+                PUBLIC_SEED,
+                None,
+                &mut local,
+                &mut seq,
+            );
+            std::hint::black_box(&seq);
+        }
+        fused.push(20.0 * 400_000.0 / (cpu_now() - t) / 1e9);
     }
-    median(runs)
+    (median(two), median(fused))
 }
 
 /// Stores of 16 blocks per event (one vLLM step), per worker: a 64-block
@@ -211,6 +231,31 @@ fn bytes_per_entry(shared: bool) -> (f64, usize) {
 
 fn main() {
     // Profiling aid: `INDEX_REPORT_ONLY=overlap` runs just that part, longer.
+    if std::env::var("INDEX_REPORT_ONLY").as_deref() == Ok("hash") {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(1);
+        let tokens: Vec<u32> = (0..100_000).map(|_| rng.random()).collect();
+        let (mut local, mut seq) = (Vec::with_capacity(6250), Vec::with_capacity(6250));
+        for _ in 0..5 {
+            let t = cpu_now();
+            for _ in 0..100 {
+                local.clear();
+                local_block_hashes(&tokens, 16, false, PUBLIC_SEED, None, &mut local);
+            }
+            let l = cpu_now() - t;
+            let t = cpu_now();
+            for _ in 0..100 {
+                seq.clear();
+                sequence_hashes(&local, PUBLIC_SEED, &mut seq);
+            }
+            let q = cpu_now() - t;
+            println!(
+                "local {:.2} GB/s, seq {:.2} GB/s",
+                4e7 / l / 1e9,
+                4e7 / q / 1e9
+            );
+        }
+        return;
+    }
     if std::env::var("INDEX_REPORT_ONLY").as_deref() == Ok("overlap1") {
         for _ in 0..30 {
             println!("  1 worker, 6250: {:.1} us", overlap_us_with(1, 0, 6250).0);
@@ -232,8 +277,10 @@ fn main() {
         }
         return;
     }
-    let gbps = hash_gbps();
-    println!("hashing 100k tokens, bs 16 (local + sequence): {gbps:.2} GB/s of token bytes");
+    let (gbps, fused) = hash_gbps();
+    println!(
+        "hashing 100k tokens, bs 16: local_block_hashes + sequence_hashes {gbps:.2} GB/s, fused local_and_sequence_hashes {fused:.2} GB/s (token bytes, CPU time)"
+    );
     let a1 = apply_rate(1);
     let a2 = apply_rate(2);
     println!(
