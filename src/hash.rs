@@ -552,7 +552,7 @@ mod tests {
                 x
             })
             .collect();
-        let mm = vec![None, Some(vec![9u64, 3]), None];
+        let mm = [None, Some(vec![9u64, 3]), None];
         for bs in [1u32, 3, 16, 32, 64] {
             for eagle in [false, true] {
                 for n in [0usize, 15, 16, 17, 64, 65, 999, 1000] {
