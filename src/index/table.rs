@@ -135,7 +135,11 @@ impl NodeTable {
         // SAFETY: prefetching is a hint that never faults, and `p` points into
         // our own live allocation anyway.
         unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8);
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            // A 40-byte bucket may straddle two lines, and a probe often
+            // reads the next bucket too.
+            _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(64));
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = p;
