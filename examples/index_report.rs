@@ -256,6 +256,10 @@ fn main() {
         }
         return;
     }
+    if std::env::var("INDEX_REPORT_ONLY").as_deref() == Ok("apply") {
+        println!("apply 1 thread {:.2} M blocks/s", apply_rate(1) / 1e6);
+        return;
+    }
     if std::env::var("INDEX_REPORT_ONLY").as_deref() == Ok("overlap1") {
         for _ in 0..30 {
             println!("  1 worker, 6250: {:.1} us", overlap_us_with(1, 0, 6250).0);

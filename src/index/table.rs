@@ -6,8 +6,8 @@
 //! works on key `i`; that needs the bucket address. Inline buckets make a hit
 //! one cache miss (SwissTable: control bytes, then the bucket). Capacities are
 //! not powers of two (the home bucket is a multiply-shift range reduction), so
-//! growth by 1.5x keeps the load between 0.58 and 0.875, which bounds the
-//! memory per node.
+//! growth by 1.5x (past 4,096 buckets) keeps the load between 0.58 and 0.875,
+//! which bounds the memory per node.
 //!
 //! Invariants: a bucket is vacant iff its node's holder set is empty (a node
 //! nobody holds is removed at once, with backward-shift deletion, so there are
@@ -62,6 +62,16 @@ fn home(key: u64, n: usize) -> usize {
 }
 
 const MIN_CAPACITY: usize = 8;
+
+/// Next capacity: doubling while small (fewer rehashes, little memory at
+/// stake), then 1.5x so a big table's load stays between 0.58 and 0.875.
+fn grown(cap: usize) -> usize {
+    if cap < 4096 {
+        (cap * 2).max(MIN_CAPACITY)
+    } else {
+        cap + cap / 2
+    }
+}
 
 impl NodeTable {
     pub(crate) fn len(&self) -> usize {
@@ -149,37 +159,25 @@ impl NodeTable {
     /// if absent. The caller must give it a holder before releasing the table
     /// (an empty node reads as a vacant bucket).
     pub(crate) fn entry(&mut self, key: u64, local: u64, parent: u64) -> &mut Node {
-        if let Some(i) = self.find(key) {
-            return &mut self.buckets[i];
-        }
+        // Grow first (possibly one insert early when `key` is present): the
+        // probe below then both finds and inserts.
         if (self.len + 1) * 8 > self.buckets.len() * 7 {
-            let cap = (self.buckets.len() * 3 / 2).max(MIN_CAPACITY);
+            let cap = grown(self.buckets.len());
             self.resize(cap);
         }
         let n = self.buckets.len();
-        let mut cur = Node {
-            key,
-            local,
-            parent,
-            holders: Holders::default(),
-        };
-        // Robin Hood insert: ours lands at the first swap (or vacancy), the
-        // residents it displaces move on. (Until the caller gives it a holder
-        // the new node reads as vacant; only buckets ahead are probed here.)
         let mut i = home(key, n);
         let mut d = 0;
-        let mut ours = None;
         loop {
-            if self.buckets[i].is_vacant() {
-                ours.get_or_insert(i);
-                self.buckets[i] = cur;
+            let b = &self.buckets[i];
+            if b.is_vacant() {
                 break;
             }
-            let di = self.dist(i);
-            if di < d {
-                std::mem::swap(&mut self.buckets[i], &mut cur);
-                ours.get_or_insert(i);
-                d = di;
+            if b.key == key {
+                return &mut self.buckets[i];
+            }
+            if self.dist(i) < d {
+                break;
             }
             d += 1;
             i += 1;
@@ -187,8 +185,51 @@ impl NodeTable {
                 i = 0;
             }
         }
+        // Absent: ours goes to bucket `i`; Robin Hood moves the residents
+        // from there on. (Until the caller gives it a holder the new node
+        // reads as vacant; only buckets ahead are probed here.)
+        let at = i;
+        let mut cur = std::mem::replace(
+            &mut self.buckets[i],
+            Node {
+                key,
+                local,
+                parent,
+                holders: Holders::default(),
+            },
+        );
+        if !cur.is_vacant() {
+            d = self.dist_of(cur.key, i);
+            loop {
+                d += 1;
+                i += 1;
+                if i == n {
+                    i = 0;
+                }
+                if self.buckets[i].is_vacant() {
+                    self.buckets[i] = cur;
+                    break;
+                }
+                let di = self.dist(i);
+                if di < d {
+                    std::mem::swap(&mut self.buckets[i], &mut cur);
+                    d = di;
+                }
+            }
+        }
         self.len += 1;
-        &mut self.buckets[ours.unwrap_or(i)]
+        &mut self.buckets[at]
+    }
+
+    #[inline]
+    fn dist_of(&self, key: u64, i: usize) -> usize {
+        let n = self.buckets.len();
+        let h = home(key, n);
+        if i >= h {
+            i - h
+        } else {
+            i + n - h
+        }
     }
 
     /// Applies `f` to the node of `key`, if present, and removes the node if
