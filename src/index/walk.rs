@@ -62,17 +62,29 @@ impl Walk {
             return;
         }
         if self.listing {
-            self.few.retain_mut(|(slot, state)| {
-                let m = h.mask(*slot);
-                let keep = [m & DEV != 0, m & (DEV | HOST) != 0, m != 0];
-                for (k, &kept) in keep.iter().enumerate() {
-                    if *state >> k & 1 == 1 && !kept {
-                        *state &= !(1 << k);
-                        self.depth[*slot as usize][k] = i;
+            let mut j = 0;
+            while j < self.few.len() {
+                let (slot, mut state) = self.few[j];
+                let m = h.mask(slot);
+                let keep = (m & DEV != 0) as u8
+                    | ((m & (DEV | HOST) != 0) as u8) << 1
+                    | ((m != 0) as u8) << 2;
+                let mut gone = state & !keep;
+                if gone != 0 {
+                    state &= keep;
+                    while gone != 0 {
+                        let k = gone.trailing_zeros() as usize;
+                        gone &= gone - 1;
+                        self.depth[slot as usize][k] = i;
                     }
+                    if state == 0 {
+                        self.few.swap_remove(j);
+                        continue;
+                    }
+                    self.few[j].1 = state;
                 }
-                *state != 0
-            });
+                j += 1;
+            }
             return;
         }
         match h {
