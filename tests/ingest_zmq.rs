@@ -218,9 +218,13 @@ fn two_element_remove() -> Vec<u8> {
 }
 
 fn hub(threads: usize) -> IngestHub {
+    hub_with(threads, IngestConfig::default().replay_timeout)
+}
+
+fn hub_with(threads: usize, replay_timeout: Duration) -> IngestHub {
     IngestHub::new(IngestConfig {
         threads,
-        replay_timeout: Duration::from_millis(300),
+        replay_timeout,
         ..IngestConfig::default()
     })
 }
@@ -398,7 +402,10 @@ fn gaps_are_recovered_through_real_router_replay() {
 fn dead_replay_socket_times_out_without_stalling_the_thread() {
     let ctx = zmq::Context::new();
     let index = Arc::new(Index::new());
-    let hub = hub(1); // both workers on the same ingest thread
+    // Both workers on the same ingest thread. The timeout is long enough that
+    // worker 2's batch surely lands while worker 1 still waits, even on a
+    // loaded machine.
+    let hub = hub_with(1, Duration::from_secs(2));
     let prompt = range(1, 64);
     let buf = chain_batches();
     // A ROUTER that accepts connections and never answers.
@@ -425,9 +432,9 @@ fn dead_replay_socket_times_out_without_stalling_the_thread() {
         device_of(&index, &prompt, 2, 0) == 1
     });
     assert_eq!(device_of(&index, &prompt, 1, 0), 0, "pending until timeout");
-    // After the 300 ms timeout the pending batch applies and the gap is lost.
+    // After the timeout the pending batch applies and the gap is lost.
     wait_until("replay timeout", || device_of(&index, &prompt, 1, 0) == 1);
-    assert!(started.elapsed() >= Duration::from_millis(250));
+    assert!(started.elapsed() >= Duration::from_millis(1900));
     let c = hub.stats().counters;
     assert_eq!(c.replays_failed, 1);
     assert_eq!(c.gaps_lost, 1);
