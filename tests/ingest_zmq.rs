@@ -573,3 +573,47 @@ fn unreachable_endpoint_does_not_block_registration() {
     hub.remove_worker(3);
     assert!(hub.stats().listeners.is_empty());
 }
+
+#[test]
+fn dp_ranks_are_independent_listeners_and_upsert_keeps_unchanged_ones() {
+    let ctx = zmq::Context::new();
+    let index = Arc::new(Index::new());
+    let hub = hub(2);
+    let prompt = range(1, 64);
+    let (p0, p1, p1b) = (
+        Publisher::new(&ctx),
+        Publisher::new(&ctx),
+        Publisher::new(&ctx),
+    );
+    let ranked = |rank: u32, ep: &str| ListenerSpec {
+        dp_rank: rank,
+        ..spec(&index, ep, None)
+    };
+    hub.set_worker(4, vec![ranked(0, &p0.endpoint), ranked(1, &p1.endpoint)]);
+    p0.wait_subscriber();
+    p1.wait_subscriber();
+    // Batches without data_parallel_rank land on the listener's rank.
+    p0.send(0, &batch(&[store(&[1, 2], None, range(1, 32))], None));
+    p1.send(0, &batch(&[store(&[1, 2, 3], None, range(1, 48))], None));
+    wait_until("both ranks", || {
+        device_of(&index, &prompt, 4, 0) == 2 && device_of(&index, &prompt, 4, 1) == 3
+    });
+    // Move only rank 1: rank 0 keeps its listener, cursor and blocks.
+    hub.set_worker(4, vec![ranked(0, &p0.endpoint), ranked(1, &p1b.endpoint)]);
+    assert_eq!(device_of(&index, &prompt, 4, 0), 2);
+    assert_eq!(device_of(&index, &prompt, 4, 1), 0, "moved rank cleared");
+    let st = hub.stats();
+    assert_eq!(
+        (st.counters.listeners_started, st.counters.listeners_stopped),
+        (3, 1)
+    );
+    assert_eq!(st.listeners[0].last_seq, Some(0), "rank 0 cursor kept");
+    assert_eq!(st.listeners[1].last_seq, None, "rank 1 starts fresh");
+    p0.send(1, &batch(&[store(&[3], Some(2), range(33, 48))], None));
+    p1b.wait_subscriber();
+    p1b.send(0, &batch(&[store(&[7], None, range(1, 16))], None));
+    wait_until("after partial move", || {
+        device_of(&index, &prompt, 4, 0) == 3 && device_of(&index, &prompt, 4, 1) == 1
+    });
+    assert_eq!(hub.stats().counters.gaps, 0);
+}
