@@ -327,11 +327,30 @@ impl Holder {
 }
 
 thread_local! {
-    /// slot -> index into the `ranks` argument of `new_blocks` (NO_QUERY
-    /// otherwise). Reset after every call; kept to avoid a per-call allocation.
-    /// Also the slots of the queried ranks, to reset the table afterwards.
-    static SLOT_TABLE: RefCell<(Vec<u32>, Vec<u32>)> =
-        const { RefCell::new((Vec::new(), Vec::new())) };
+    /// Scratch for `new_blocks`: hit counts per slot, and the slots of the
+    /// queried ranks, the identities grouped by shard, and the current run of
+    /// identical holder lists. Kept per thread to avoid a per-call allocation.
+    #[allow(clippy::type_complexity)]
+    static SLOT_HITS: RefCell<(Vec<u32>, Vec<u32>, Vec<u64>, Vec<u32>)> =
+        const { RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
+}
+
+/// Holder lists at least this long are compared with the previous one so that
+/// runs of identities held by the same ranks are counted once.
+const RUN_MIN_HOLDERS: usize = 8;
+
+/// Adds `times` hits to each of `slots` (slots past the table cannot have
+/// been queried: they were allocated after the query was mapped).
+#[inline]
+fn add_hits(hits: &mut [u32], slots: &[u32], times: u32) {
+    if times == 0 {
+        return;
+    }
+    for &s in slots {
+        if let Some(n) = hits.get_mut(s as usize) {
+            *n += times;
+        }
+    }
 }
 
 fn weight_fp(f: f64) -> Option<u32> {
@@ -476,62 +495,85 @@ impl Ledger {
     }
 
     /// For each rank of `ranks`, how many of `identities` (assumed distinct)
-    /// are not active on it. Cost O(ranks + identities + hits): each identity
-    /// is looked up once in the global index and its holders are counted
-    /// against the queried ranks.
+    /// are not active on it; `out[i]` answers `ranks[i]`.
+    ///
+    /// Cost O(ranks + identities + hits), and less for shared prefixes: each
+    /// identity is looked up once in the global index, its holders' hit
+    /// counters are bumped, and a run of identities with the very same
+    /// holder list (a prefix active on many ranks) is counted with one
+    /// comparison per identity. All-idle candidates skip the lookups.
+    ///
+    /// Like every read here it is not a snapshot: bookings that change during
+    /// the call may or may not be counted (the same as one read earlier or later).
     pub fn new_blocks(&self, ranks: &[WorkerRank], identities: &[u64], out: &mut Vec<u64>) {
         out.clear();
         out.resize(ranks.len(), identities.len() as u64);
         if ranks.is_empty() || identities.is_empty() {
             return;
         }
-        SLOT_TABLE.with(|t| {
-            let (table, qslots) = &mut *t.borrow_mut();
+        SLOT_HITS.with(|t| {
+            let (hits, qslots, by_shard, run) = &mut *t.borrow_mut();
             qslots.clear();
-            let mut any = false;
-            for (i, &wr) in ranks.iter().enumerate() {
-                let Some(slot) = self.slot_of(wr) else {
-                    qslots.push(NO_QUERY);
-                    continue;
-                };
-                qslots.push(slot);
-                let s = slot as usize;
-                if s >= table.len() {
-                    table.resize(s + 1, NO_QUERY);
-                }
-                // A rank listed twice keeps its first index; copied below.
-                if table[s] == NO_QUERY {
-                    table[s] = i as u32;
-                }
-                any = true;
+            qslots.extend(ranks.iter().map(|&wr| self.slot_of(wr).unwrap_or(NO_QUERY)));
+            // Idle candidates hold nothing: skip the identity lookups.
+            let Some(&max) = qslots.iter().filter(|&&s| s != NO_QUERY).max() else {
+                return;
+            };
+            // Hits are counted for every holder, queried or not: a plain
+            // increment is cheaper than asking whether the slot was queried.
+            hits.clear();
+            hits.resize(max as usize + 1, 0);
+            // Group the identities by shard (counting sort) so that each
+            // shard is locked once per call rather than once per identity.
+            by_shard.clear();
+            by_shard.resize(identities.len(), 0);
+            let mut starts = [0usize; IDENT_SHARDS + 1];
+            for &x in identities {
+                starts[shard_of(mix(x, self.key), IDENT_SHARDS) + 1] += 1;
             }
-            if any {
-                for &x in identities {
-                    let g = self.ident_shard(x).lock();
-                    let Some(h) = g.get(&x) else {
+            for i in 0..IDENT_SHARDS {
+                starts[i + 1] += starts[i];
+            }
+            let mut fill = starts;
+            for &x in identities {
+                let sh = shard_of(mix(x, self.key), IDENT_SHARDS);
+                by_shard[fill[sh]] = x;
+                fill[sh] += 1;
+            }
+            run.clear();
+            let mut run_len = 0u32;
+            for (sh, shard) in self.idents.iter().enumerate() {
+                let group = &by_shard[starts[sh]..starts[sh + 1]];
+                if group.is_empty() {
+                    continue;
+                }
+                let g = shard.lock();
+                if g.is_empty() {
+                    continue;
+                }
+                for x in group {
+                    let Some(h) = g.get(x) else {
                         continue;
                     };
-                    for &s in h.slots() {
-                        if let Some(&qi) = table.get(s as usize) {
-                            if qi != NO_QUERY {
-                                let o = &mut out[qi as usize];
-                                *o = o.saturating_sub(1);
-                            }
-                        }
+                    let slots = h.slots();
+                    if slots.len() < RUN_MIN_HOLDERS {
+                        add_hits(hits, slots, 1);
+                    } else if run_len > 0 && slots == &run[..] {
+                        // A shared prefix: many identities with the very same
+                        // holders. A memcmp is far cheaper than the increments.
+                        run_len += 1;
+                    } else {
+                        add_hits(hits, run, run_len);
+                        run.clear();
+                        run.extend_from_slice(slots);
+                        run_len = 1;
                     }
                 }
             }
-            for (i, &s) in qslots.iter().enumerate() {
-                if s != NO_QUERY {
-                    let first = table[s as usize] as usize;
-                    if first != i {
-                        out[i] = out[first];
-                    }
-                }
-            }
-            for &s in qslots.iter() {
-                if s != NO_QUERY {
-                    table[s as usize] = NO_QUERY;
+            add_hits(hits, run, run_len);
+            for (o, &s) in out.iter_mut().zip(qslots.iter()) {
+                if let Some(&n) = hits.get(s as usize) {
+                    *o = o.saturating_sub(u64::from(n));
                 }
             }
         });
@@ -920,6 +962,67 @@ mod tests {
             new_blocks(&l, &[R200, R201, R202], &[1, 2, 3, 4]),
             vec![4, 2, 3]
         );
+    }
+
+    #[test]
+    fn new_blocks_with_runs_of_widely_shared_identities_matches_brute_force() {
+        // 20 ranks; identities 0..40, where identity x is held by rank r when
+        // a pattern says so. Long runs with identical holder sets (the shared
+        // prefix case), broken by sets differing in one rank, and sets too
+        // small for run detection.
+        let l = Ledger::default();
+        let ranks: Vec<WorkerRank> = (0..20)
+            .map(|w| WorkerRank {
+                worker_id: w,
+                dp_rank: 0,
+            })
+            .collect();
+        let holds = |x: u64, r: u64| match x {
+            0..=14 => true,
+            15 => r != 7,
+            16..=24 => true,
+            25..=29 => r < 3,
+            30..=34 => r % 2 == 0,
+            _ => r == x % 20,
+        };
+        let mut held: Vec<Vec<u64>> = vec![Vec::new(); 20];
+        for r in 0..20u64 {
+            held[r as usize] = (0..40).filter(|&x| holds(x, r)).collect();
+            // Two bookings per rank so refcounts are above 1 as well.
+            book(
+                &l,
+                &format!("a{r}"),
+                ranks[r as usize],
+                &held[r as usize],
+                0,
+            )
+            .unwrap();
+            book(
+                &l,
+                &format!("b{r}"),
+                ranks[r as usize],
+                &held[r as usize][..5],
+                0,
+            )
+            .unwrap();
+        }
+        let query: Vec<u64> = (0..45).collect();
+        let mut query_ranks = ranks.clone();
+        query_ranks.push(WorkerRank {
+            worker_id: 77,
+            dp_rank: 0,
+        });
+        let mut out = Vec::new();
+        l.new_blocks(&query_ranks, &query, &mut out);
+        let mut want: Vec<u64> = (0..20u64)
+            .map(|r| query.iter().filter(|&&x| !(x < 40 && holds(x, r))).count() as u64)
+            .collect();
+        want.push(45);
+        assert_eq!(out, want);
+        // The same with the identities in reverse order (runs cross shards).
+        let rev: Vec<u64> = query.iter().rev().copied().collect();
+        l.new_blocks(&query_ranks, &rev, &mut out);
+        assert_eq!(out, want);
     }
 
     #[test]
