@@ -125,21 +125,38 @@ fn main() {
     let t = median(|| ledger.loads(black_box(&ranks), &mut loads), iters);
     report("loads 1024 ranks", t, None);
 
-    // Book + free of the whole 6,250-identity prompt on one busy rank.
-    let t = median(
-        || {
-            ledger
-                .book(Booking {
-                    selection_id: "big",
-                    wr: ranks[0],
-                    identities: &prompt,
-                    prefill_tokens: 100,
-                    now: Instant::now(),
-                })
-                .unwrap();
-            ledger.free("big").unwrap();
-        },
-        iters,
-    );
-    report("book + free, 6250 identities", t, None);
+    // Book, then free, of the whole 6,250-identity prompt on one busy rank
+    // (its first 1,000 identities are already held by all 1,024 ranks), and
+    // on an idle ledger.
+    let idle = Ledger::default();
+    for (name, l) in [("busy", &ledger), ("idle", &idle)] {
+        let (mut book_t, mut free_t) = (Vec::new(), Vec::new());
+        for _ in 0..iters {
+            let s = Instant::now();
+            l.book(Booking {
+                selection_id: "big",
+                wr: ranks[0],
+                identities: &prompt,
+                prefill_tokens: 100,
+                now: Instant::now(),
+            })
+            .unwrap();
+            book_t.push(s.elapsed());
+            let s = Instant::now();
+            l.free("big").unwrap();
+            free_t.push(s.elapsed());
+        }
+        book_t.sort();
+        free_t.sort();
+        report(
+            &format!("book 6250 identities, {name} ledger"),
+            book_t[iters / 2],
+            None,
+        );
+        report(
+            &format!("free 6250 identities, {name} ledger"),
+            free_t[iters / 2],
+            None,
+        );
+    }
 }

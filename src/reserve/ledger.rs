@@ -121,7 +121,8 @@ pub struct Ledger {
 
 type BookingShard = Mutex<HashMap<Box<str>, Entry>>;
 type RankShard = RwLock<HashMap<WorkerRank, Arc<RankCell>>>;
-type IdentShard = Mutex<HashMap<u64, Holders, IdentBuild>>;
+type IdentMap = HashMap<u64, Holders, IdentBuild>;
+type IdentShard = Mutex<IdentMap>;
 
 struct Entry {
     wr: WorkerRank,
@@ -327,13 +328,17 @@ impl Holder {
 }
 
 thread_local! {
-    /// Scratch for `new_blocks`: hit counts per slot, and the slots of the
-    /// queried ranks, the identities grouped by shard, and the current run of
-    /// identical holder lists. Kept per thread to avoid a per-call allocation.
+    /// Scratch for `new_blocks`: hit counts per slot, the slots of the
+    /// queried ranks, and the current run of identical holder lists.
     #[allow(clippy::type_complexity)]
-    static SLOT_HITS: RefCell<(Vec<u32>, Vec<u32>, Vec<u64>, Vec<u32>)> =
-        const { RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
+    static SLOT_HITS: RefCell<(Vec<u32>, Vec<u32>, Vec<u32>)> =
+        const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    /// Scratch for `by_ident_shard`: identities grouped by shard.
+    static BY_SHARD: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
 }
+
+/// Below this many identities, locking per identity is cheaper than grouping.
+const GROUP_MIN: usize = 64;
 
 /// Holder lists at least this long are compared with the previous one so that
 /// runs of identities held by the same ranks are counted once.
@@ -358,6 +363,41 @@ fn weight_fp(f: f64) -> Option<u32> {
         return None;
     }
     Some((f.clamp(0.0, 1.0) * f64::from(WEIGHT_ONE)).round() as u32)
+}
+
+/// One more hold of `x` by `cell`'s rank (called with `x`'s shard locked,
+/// so the rank's weighted sum changes under the lock that owns the weight).
+fn hold(map: &mut IdentMap, x: u64, cell: &RankCell) {
+    let new = match map.entry(x) {
+        MapEntry::Vacant(v) => {
+            v.insert(Holders::new(cell.slot));
+            true
+        }
+        MapEntry::Occupied(mut o) => o.get_mut().acquire(cell.slot),
+    };
+    if new {
+        cell.weighted
+            .fetch_add(u64::from(WEIGHT_ONE), Ordering::Relaxed);
+    }
+}
+
+/// One hold of `x` by `cell`'s rank less (called with `x`'s shard locked).
+fn unhold(map: &mut IdentMap, x: u64, cell: &RankCell) {
+    let MapEntry::Occupied(mut o) = map.entry(x) else {
+        debug_assert!(false, "released identity not held");
+        return;
+    };
+    match o.get_mut().release(cell.slot) {
+        Release::Kept => {}
+        Release::Removed { weight, empty } => {
+            if empty {
+                o.remove();
+            }
+            cell.weighted
+                .fetch_sub(u64::from(weight), Ordering::Relaxed);
+        }
+        Release::Absent => debug_assert!(false, "released identity not held by rank"),
+    }
 }
 
 impl Default for Ledger {
@@ -414,9 +454,7 @@ impl Ledger {
         }
         let cell = self.acquire_rank(b.wr);
         cell.prefill.fetch_add(b.prefill_tokens, Ordering::Relaxed);
-        for &x in b.identities {
-            self.hold(x, &cell);
-        }
+        self.by_ident_shard(b.identities, |map, x| hold(map, x, &cell));
         g.insert(
             b.selection_id.into(),
             Entry {
@@ -460,7 +498,7 @@ impl Ledger {
         let x = rand::random::<u64>();
         let mut g = self.booking_shard(id).lock();
         let e = g.get_mut(id).ok_or(ReserveError::NotFound)?;
-        self.hold(x, &e.cell);
+        hold(&mut self.ident_shard(x).lock(), x, &e.cell);
         e.blocks.push(x);
         if let Some(w) = decay_fraction.and_then(weight_fp) {
             for &b in e.blocks.iter().rev() {
@@ -512,7 +550,7 @@ impl Ledger {
             return;
         }
         SLOT_HITS.with(|t| {
-            let (hits, qslots, by_shard, run) = &mut *t.borrow_mut();
+            let (hits, qslots, run) = &mut *t.borrow_mut();
             qslots.clear();
             qslots.extend(ranks.iter().map(|&wr| self.slot_of(wr).unwrap_or(NO_QUERY)));
             // Idle candidates hold nothing: skip the identity lookups.
@@ -523,53 +561,26 @@ impl Ledger {
             // increment is cheaper than asking whether the slot was queried.
             hits.clear();
             hits.resize(max as usize + 1, 0);
-            // Group the identities by shard (counting sort) so that each
-            // shard is locked once per call rather than once per identity.
-            by_shard.clear();
-            by_shard.resize(identities.len(), 0);
-            let mut starts = [0usize; IDENT_SHARDS + 1];
-            for &x in identities {
-                starts[shard_of(mix(x, self.key), IDENT_SHARDS) + 1] += 1;
-            }
-            for i in 0..IDENT_SHARDS {
-                starts[i + 1] += starts[i];
-            }
-            let mut fill = starts;
-            for &x in identities {
-                let sh = shard_of(mix(x, self.key), IDENT_SHARDS);
-                by_shard[fill[sh]] = x;
-                fill[sh] += 1;
-            }
             run.clear();
             let mut run_len = 0u32;
-            for (sh, shard) in self.idents.iter().enumerate() {
-                let group = &by_shard[starts[sh]..starts[sh + 1]];
-                if group.is_empty() {
-                    continue;
+            self.by_ident_shard(identities, |map, x| {
+                let Some(h) = map.get(&x) else {
+                    return;
+                };
+                let slots = h.slots();
+                if slots.len() < RUN_MIN_HOLDERS {
+                    add_hits(hits, slots, 1);
+                } else if run_len > 0 && slots == &run[..] {
+                    // A shared prefix: many identities with the very same
+                    // holders. A memcmp is far cheaper than the increments.
+                    run_len += 1;
+                } else {
+                    add_hits(hits, run, run_len);
+                    run.clear();
+                    run.extend_from_slice(slots);
+                    run_len = 1;
                 }
-                let g = shard.lock();
-                if g.is_empty() {
-                    continue;
-                }
-                for x in group {
-                    let Some(h) = g.get(x) else {
-                        continue;
-                    };
-                    let slots = h.slots();
-                    if slots.len() < RUN_MIN_HOLDERS {
-                        add_hits(hits, slots, 1);
-                    } else if run_len > 0 && slots == &run[..] {
-                        // A shared prefix: many identities with the very same
-                        // holders. A memcmp is far cheaper than the increments.
-                        run_len += 1;
-                    } else {
-                        add_hits(hits, run, run_len);
-                        run.clear();
-                        run.extend_from_slice(slots);
-                        run_len = 1;
-                    }
-                }
-            }
+            });
             add_hits(hits, run, run_len);
             for (o, &s) in out.iter_mut().zip(qslots.iter()) {
                 if let Some(&n) = hits.get(s as usize) {
@@ -669,38 +680,45 @@ impl Ledger {
         slot
     }
 
-    fn hold(&self, x: u64, cell: &RankCell) {
-        let mut g = self.ident_shard(x).lock();
-        let new = match g.entry(x) {
-            MapEntry::Vacant(v) => {
-                v.insert(Holders::new(cell.slot));
-                true
+    /// Calls `f` for every identity of `xs` with its shard's map locked,
+    /// locking each shard once (identities grouped by a counting sort) when
+    /// there are enough identities for that to pay off. The order of the
+    /// calls is not the order of `xs`.
+    fn by_ident_shard(&self, xs: &[u64], mut f: impl FnMut(&mut IdentMap, u64)) {
+        if xs.len() < GROUP_MIN {
+            for &x in xs {
+                f(&mut self.ident_shard(x).lock(), x);
             }
-            MapEntry::Occupied(mut o) => o.get_mut().acquire(cell.slot),
-        };
-        if new {
-            cell.weighted
-                .fetch_add(u64::from(WEIGHT_ONE), Ordering::Relaxed);
-        }
-    }
-
-    fn unhold(&self, x: u64, cell: &RankCell) {
-        let mut g = self.ident_shard(x).lock();
-        let MapEntry::Occupied(mut o) = g.entry(x) else {
-            debug_assert!(false, "released identity not held");
             return;
-        };
-        match o.get_mut().release(cell.slot) {
-            Release::Kept => {}
-            Release::Removed { weight, empty } => {
-                if empty {
-                    o.remove();
-                }
-                cell.weighted
-                    .fetch_sub(u64::from(weight), Ordering::Relaxed);
-            }
-            Release::Absent => debug_assert!(false, "released identity not held by rank"),
         }
+        BY_SHARD.with(|t| {
+            let grouped = &mut *t.borrow_mut();
+            grouped.clear();
+            grouped.resize(xs.len(), 0);
+            let mut starts = [0usize; IDENT_SHARDS + 1];
+            for &x in xs {
+                starts[shard_of(mix(x, self.key), IDENT_SHARDS) + 1] += 1;
+            }
+            for i in 0..IDENT_SHARDS {
+                starts[i + 1] += starts[i];
+            }
+            let mut fill = starts;
+            for &x in xs {
+                let sh = shard_of(mix(x, self.key), IDENT_SHARDS);
+                grouped[fill[sh]] = x;
+                fill[sh] += 1;
+            }
+            for (sh, shard) in self.idents.iter().enumerate() {
+                let group = &grouped[starts[sh]..starts[sh + 1]];
+                if group.is_empty() {
+                    continue;
+                }
+                let mut g = shard.lock();
+                for &x in group {
+                    f(&mut g, x);
+                }
+            }
+        });
     }
 
     fn reweight_if_exclusive(&self, x: u64, cell: &RankCell, w: u32) -> bool {
@@ -723,9 +741,7 @@ impl Ledger {
 
     /// Removes all effects of a booking (called with its booking shard locked).
     fn unload(&self, e: &Entry) {
-        for &x in &e.blocks {
-            self.unhold(x, &e.cell);
-        }
+        self.by_ident_shard(&e.blocks, |map, x| unhold(map, x, &e.cell));
         if e.prefill > 0 {
             e.cell.prefill.fetch_sub(e.prefill, Ordering::Relaxed);
         }
