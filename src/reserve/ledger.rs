@@ -16,12 +16,17 @@
 //! * `bookings`: id -> booking, sharded by a hash of the id. Holding a booking
 //!   shard lock while applying or removing a booking's effects makes each
 //!   booking's lifecycle (book, prefill_complete, output_block, free)
-//!   serial, and makes "claim the id" and "apply the load" one atomic step.
+//!   serial, and makes "claim the id" and "apply the load" one atomic step
+//!   (a concurrent booking of the same id waits and then gets `Duplicate`).
+//!   The price: other ids of that shard (1/64 of them) wait for the length of
+//!   one booking's effects, ~0.1-0.4 ms for a 6,250-identity prompt.
 //! * `ranks`: WorkerRank -> counters (atomics) plus a dense `slot` number. A
 //!   rank's entry exists while it has live bookings; its slot is then reused.
 //! * `idents`: identity -> the slots holding it, each with refcount and weight.
 //!   This global index is what makes [`Ledger::new_blocks`] cost
-//!   O(identities + hits) instead of O(ranks x identities).
+//!   O(identities + hits) instead of O(ranks x identities). Large prompts
+//!   are grouped by identity shard first, so each shard is locked once per
+//!   call, not once per identity.
 //!
 //! Lock order: booking shard -> rank shard -> slot allocator, and booking
 //! shard -> identity shard. [`Ledger::new_blocks`] and [`Ledger::loads`] take
@@ -447,6 +452,7 @@ impl Ledger {
 
     /// Atomically claims `b.selection_id` and applies its load.
     pub fn book(&self, b: Booking<'_>) -> Result<(), ReserveError> {
+        let blocks = b.identities.to_vec();
         let shard = self.booking_shard(b.selection_id);
         let mut g = shard.lock();
         if g.contains_key(b.selection_id) {
@@ -460,7 +466,7 @@ impl Ledger {
             Entry {
                 wr: b.wr,
                 cell,
-                blocks: b.identities.to_vec(),
+                blocks,
                 prompt_len: b.identities.len(),
                 prefill: b.prefill_tokens,
                 booked_prefill: b.prefill_tokens,
@@ -515,6 +521,7 @@ impl Ledger {
         let mut g = self.booking_shard(id).lock();
         let e = g.remove(id).ok_or(ReserveError::NotFound)?;
         self.unload(&e);
+        drop(g);
         Ok(e.info())
     }
 
@@ -600,7 +607,8 @@ impl Ledger {
         self.drop_where(|e| e.wr == wr)
     }
 
-    /// Drops bookings at least `expiry` old at `now`; returns how many.
+    /// Drops bookings at least `expiry` old at `now`; returns how many. The
+    /// ledger has no timer: the server calls this periodically.
     pub fn sweep_expired(&self, now: Instant) -> usize {
         let expiry = self.expiry;
         self.drop_where(|e| now.saturating_duration_since(e.booked_at) >= expiry)
