@@ -125,7 +125,7 @@ pub struct Ledger {
 }
 
 type BookingShard = Mutex<HashMap<Box<str>, Entry>>;
-type RankShard = RwLock<HashMap<WorkerRank, Arc<RankCell>>>;
+type RankShard = RwLock<HashMap<WorkerRank, Arc<RankCell>, IdentBuild>>;
 type IdentMap = HashMap<u64, Holders, IdentBuild>;
 type IdentShard = Mutex<IdentMap>;
 
@@ -421,7 +421,9 @@ impl Ledger {
             expiry,
             key,
             bookings: shards(BOOKING_SHARDS),
-            ranks: shards(RANK_SHARDS),
+            ranks: (0..RANK_SHARDS)
+                .map(|_| RwLock::new(HashMap::with_hasher(IdentBuild { key })))
+                .collect(),
             idents: (0..IDENT_SHARDS)
                 .map(|_| Mutex::new(HashMap::with_hasher(IdentBuild { key })))
                 .collect(),
