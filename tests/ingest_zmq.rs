@@ -218,9 +218,13 @@ fn two_element_remove() -> Vec<u8> {
 }
 
 fn hub(threads: usize) -> IngestHub {
+    hub_with(threads, IngestConfig::default().replay_timeout)
+}
+
+fn hub_with(threads: usize, replay_timeout: Duration) -> IngestHub {
     IngestHub::new(IngestConfig {
         threads,
-        replay_timeout: Duration::from_millis(300),
+        replay_timeout,
         ..IngestConfig::default()
     })
 }
@@ -398,7 +402,10 @@ fn gaps_are_recovered_through_real_router_replay() {
 fn dead_replay_socket_times_out_without_stalling_the_thread() {
     let ctx = zmq::Context::new();
     let index = Arc::new(Index::new());
-    let hub = hub(1); // both workers on the same ingest thread
+    // Both workers on the same ingest thread. The timeout is long enough that
+    // worker 2's batch surely lands while worker 1 still waits, even on a
+    // loaded machine.
+    let hub = hub_with(1, Duration::from_secs(2));
     let prompt = range(1, 64);
     let buf = chain_batches();
     // A ROUTER that accepts connections and never answers.
@@ -425,9 +432,9 @@ fn dead_replay_socket_times_out_without_stalling_the_thread() {
         device_of(&index, &prompt, 2, 0) == 1
     });
     assert_eq!(device_of(&index, &prompt, 1, 0), 0, "pending until timeout");
-    // After the 300 ms timeout the pending batch applies and the gap is lost.
+    // After the timeout the pending batch applies and the gap is lost.
     wait_until("replay timeout", || device_of(&index, &prompt, 1, 0) == 1);
-    assert!(started.elapsed() >= Duration::from_millis(250));
+    assert!(started.elapsed() >= Duration::from_millis(1900));
     let c = hub.stats().counters;
     assert_eq!(c.replays_failed, 1);
     assert_eq!(c.gaps_lost, 1);
@@ -565,4 +572,48 @@ fn unreachable_endpoint_does_not_block_registration() {
     assert_eq!(hub.stats().listeners[0].state, ListenerState::Live);
     hub.remove_worker(3);
     assert!(hub.stats().listeners.is_empty());
+}
+
+#[test]
+fn dp_ranks_are_independent_listeners_and_upsert_keeps_unchanged_ones() {
+    let ctx = zmq::Context::new();
+    let index = Arc::new(Index::new());
+    let hub = hub(2);
+    let prompt = range(1, 64);
+    let (p0, p1, p1b) = (
+        Publisher::new(&ctx),
+        Publisher::new(&ctx),
+        Publisher::new(&ctx),
+    );
+    let ranked = |rank: u32, ep: &str| ListenerSpec {
+        dp_rank: rank,
+        ..spec(&index, ep, None)
+    };
+    hub.set_worker(4, vec![ranked(0, &p0.endpoint), ranked(1, &p1.endpoint)]);
+    p0.wait_subscriber();
+    p1.wait_subscriber();
+    // Batches without data_parallel_rank land on the listener's rank.
+    p0.send(0, &batch(&[store(&[1, 2], None, range(1, 32))], None));
+    p1.send(0, &batch(&[store(&[1, 2, 3], None, range(1, 48))], None));
+    wait_until("both ranks", || {
+        device_of(&index, &prompt, 4, 0) == 2 && device_of(&index, &prompt, 4, 1) == 3
+    });
+    // Move only rank 1: rank 0 keeps its listener, cursor and blocks.
+    hub.set_worker(4, vec![ranked(0, &p0.endpoint), ranked(1, &p1b.endpoint)]);
+    assert_eq!(device_of(&index, &prompt, 4, 0), 2);
+    assert_eq!(device_of(&index, &prompt, 4, 1), 0, "moved rank cleared");
+    let st = hub.stats();
+    assert_eq!(
+        (st.counters.listeners_started, st.counters.listeners_stopped),
+        (3, 1)
+    );
+    assert_eq!(st.listeners[0].last_seq, Some(0), "rank 0 cursor kept");
+    assert_eq!(st.listeners[1].last_seq, None, "rank 1 starts fresh");
+    p0.send(1, &batch(&[store(&[3], Some(2), range(33, 48))], None));
+    p1b.wait_subscriber();
+    p1b.send(0, &batch(&[store(&[7], None, range(1, 16))], None));
+    wait_until("after partial move", || {
+        device_of(&index, &prompt, 4, 0) == 3 && device_of(&index, &prompt, 4, 1) == 1
+    });
+    assert_eq!(hub.stats().counters.gaps, 0);
 }

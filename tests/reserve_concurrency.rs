@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use kvselect::index::WorkerRank;
-use kvselect::reserve::{Booking, Ledger, LedgerStats, RankLoad, ReserveError};
+use kvselect::reserve::{Booking, Ledger, LedgerStats, PendingCache, RankLoad, ReserveError};
 
 const THREADS: u64 = 4;
 const CYCLES: u64 = 2_000;
@@ -24,6 +24,13 @@ fn prompt(t: u64, i: u64) -> Vec<u64> {
     let mut p: Vec<u64> = (0..(i % 16)).collect();
     p.extend((0..(i % 7)).map(|k| (t << 40) | (i << 8) | k));
     p
+}
+
+#[test]
+fn components_are_shareable_between_threads() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Ledger>();
+    shareable::<PendingCache>();
 }
 
 #[test]

@@ -59,6 +59,9 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0..8u8, 0..4u8, prop::collection::vec(0..12u64, 0..7), prop_oneof![Just(0u64), 1..100u64])
             .prop_map(|(id, rank, ids, prefill)| Op::Book { id, rank, ids, prefill }),
+        // Large prompts take the grouped-by-shard paths of book/free/new_blocks.
+        1 => (0..8u8, 0..4u8, 0..150u64, 64..120u64)
+            .prop_map(|(id, rank, start, len)| Op::Book { id, rank, ids: (start..start + len).collect(), prefill: len }),
         2 => (0..8u8).prop_map(|id| Op::PrefillComplete { id }),
         3 => (0..8u8, 0..DECAYS.len()).prop_map(|(id, decay)| Op::Output { id, decay }),
         2 => (0..8u8).prop_map(|id| Op::Free { id }),
@@ -255,7 +258,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         for (i, &wr) in ranks.iter().enumerate() {
             prop_assert_eq!(loads[i], model.load(wr), "rank {:?}", wr);
         }
-        let query: Vec<u64> = (0..12).collect();
+        let query: Vec<u64> = (0..280).collect();
         let mut nb = Vec::new();
         ledger.new_blocks(&ranks, &query, &mut nb);
         for (i, &wr) in ranks.iter().enumerate() {

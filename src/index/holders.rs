@@ -73,12 +73,19 @@ fn groups_for(max_slot: u32) -> usize {
 }
 
 impl Holders {
+    #[cfg(test)]
     pub(crate) fn is_empty(&self) -> bool {
         match self {
             Holders::Inline { n, .. } => *n == 0,
             Holders::Sparse(v) => v.is_empty(),
             Holders::Dense(d) => d.count == 0,
         }
+    }
+
+    /// True for the empty inline form (the only empty form a node keeps).
+    #[inline]
+    pub(crate) fn is_inline_empty(&self) -> bool {
+        matches!(self, Holders::Inline { n: 0, .. })
     }
 
     /// Heap bytes owned (for stats).
@@ -93,7 +100,7 @@ impl Holders {
     }
 
     /// Tier mask of `slot` (0 if absent).
-    #[cfg(test)]
+    #[inline]
     pub(crate) fn mask(&self, slot: u32) -> u8 {
         match self {
             Holders::Inline { n, e } => e[..*n as usize]

@@ -79,6 +79,7 @@ pub struct Overlap {
 }
 
 mod holders;
+mod table;
 mod walk;
 
 pub mod dump;
@@ -90,7 +91,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use crate::hash::{chain, PUBLIC_SEED};
-use holders::{Change, Holders, MAX_SLOT};
+use holders::{Change, MAX_SLOT};
 
 /// Why a store was refused (nothing of it is indexed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,6 +144,8 @@ const NODE_SHARDS: usize = 1 << NODE_SHARD_BITS;
 const RANK_SHARDS: usize = 64;
 /// Blocks walked per batch of held shard read locks.
 const WALK_CHUNK: usize = 512;
+/// How many keys ahead the walk prefetches.
+const PREFETCH_AHEAD: usize = 24;
 
 /// Hasher for keys that are already hashes (or small ids): one folded
 /// 64x64->128 multiply spreads every input bit over the whole output, so both
@@ -185,16 +188,9 @@ impl Hasher for Fold {
 
 type FoldMap<K, V> = HashMap<K, V, BuildHasherDefault<Fold>>;
 
-struct Node {
-    local: u64,
-    /// Key of the parent node; equal to the node's own key for a root.
-    parent: u64,
-    holders: Holders,
-}
-
 #[derive(Default)]
 struct NodeTable {
-    nodes: FoldMap<u64, Node>,
+    nodes: table::NodeTable,
     entries: usize,
     heap: usize,
 }
@@ -374,11 +370,7 @@ impl Index {
     ) {
         let mut g = self.nodes[node_shard(key)].0.write();
         let table = &mut *g;
-        let node = table.nodes.entry(key).or_insert_with(|| Node {
-            local,
-            parent,
-            holders: Holders::default(),
-        });
+        let node = table.nodes.entry(key, local, parent);
         let before = node.holders.heap_bytes();
         let change = node.holders.set(slot, tier_bit(t));
         table.heap = table.heap + node.holders.heap_bytes() - before;
@@ -401,18 +393,15 @@ impl Index {
         }
         let mut g = self.nodes[node_shard(key)].0.write();
         let table = &mut *g;
-        let Some(node) = table.nodes.get_mut(&key) else {
-            return;
-        };
-        let before = node.holders.heap_bytes();
-        let change = node.holders.clear(slot, tier_bit(t));
-        table.heap = table.heap + node.holders.heap_bytes() - before;
-        if change == Change::Changed {
+        let heap = &mut table.heap;
+        let change = table.nodes.update(key, |node| {
+            let before = node.holders.heap_bytes();
+            let change = node.holders.clear(slot, tier_bit(t));
+            *heap = *heap + node.holders.heap_bytes() - before;
+            change
+        });
+        if change == Some(Change::Changed) {
             table.entries -= 1;
-        }
-        if node.holders.is_empty() {
-            table.nodes.remove(&key);
-            shrink(&mut table.nodes);
         }
     }
 
@@ -444,7 +433,12 @@ impl Index {
 
     /// AllBlocksCleared: drops every tier of `wr`.
     pub fn clear(&self, wr: WorkerRank) {
-        let taken = self.ranks[rank_shard(wr.worker_id)].0.write().remove(&wr);
+        let taken = {
+            let mut reg = self.ranks[rank_shard(wr.worker_id)].0.write();
+            let r = reg.remove(&wr);
+            shrink(&mut reg);
+            r
+        };
         if let Some(rank) = taken {
             self.retire(wr, &rank);
         }
@@ -453,14 +447,18 @@ impl Index {
     /// Drops every rank and tier of a worker.
     pub fn remove_worker(&self, worker_id: u64) {
         let mut taken = Vec::new();
-        self.ranks[rank_shard(worker_id)].0.write().retain(|wr, r| {
-            if wr.worker_id == worker_id {
-                taken.push((*wr, r.clone()));
-                false
-            } else {
-                true
-            }
-        });
+        {
+            let mut reg = self.ranks[rank_shard(worker_id)].0.write();
+            reg.retain(|wr, r| {
+                if wr.worker_id == worker_id {
+                    taken.push((*wr, r.clone()));
+                    false
+                } else {
+                    true
+                }
+            });
+            shrink(&mut reg);
+        }
         for (wr, rank) in taken {
             self.retire(wr, &rank);
         }
@@ -487,6 +485,18 @@ impl Index {
         if slots.owners.get(*slot as usize) == Some(&Some(wr)) {
             slots.owners[*slot as usize] = None;
             slots.free.push(std::cmp::Reverse(*slot));
+            if *slot as usize + 1 == slots.owners.len() {
+                // Give the tail back so the table shrinks with the fleet.
+                while slots.owners.last() == Some(&None) {
+                    slots.owners.pop();
+                }
+                let len = slots.owners.len() as u32;
+                slots.free.retain(|s| s.0 < len);
+                if slots.owners.capacity() > 2 * slots.owners.len() + 16 {
+                    slots.owners.shrink_to_fit();
+                    slots.free.shrink_to_fit();
+                }
+            }
         }
     }
 
@@ -547,9 +557,18 @@ impl Index {
                 held = 0;
             }
             held += 1;
+            // The keys are known in advance: fetch a later bucket while this
+            // one is worked on (the walk is bound by cache misses).
+            if let Some(&ahead) = seq_keys.get(i + PREFETCH_AHEAD) {
+                let s = node_shard(ahead);
+                guards[s]
+                    .get_or_insert_with(|| self.nodes[s].0.read_recursive())
+                    .nodes
+                    .prefetch(ahead);
+            }
             let s = node_shard(key);
             let g = guards[s].get_or_insert_with(|| self.nodes[s].0.read_recursive());
-            walk.step(i as u32, g.nodes.get(&key).map(|n| &n.holders));
+            walk.step(i as u32, g.nodes.get(key).map(|n| &n.holders));
             if walk.done() {
                 walked = i;
                 break;
@@ -601,56 +620,90 @@ impl Index {
                 rev[t].entry(k).or_insert(e);
             }
         }
-        for (t, tier) in Tier::ALL.into_iter().enumerate() {
-            // engine -> (local, parent engine and whether it is on this tier)
-            let mut info: FoldMap<u64, (u64, Option<(u64, bool)>)> = FoldMap::default();
-            let mut children: FoldMap<u64, Vec<u64>> = FoldMap::default();
-            let mut starts: Vec<u64> = Vec::new();
-            for (&e, &k) in &st.tiers[t] {
+        // Per tier: engine -> (local hash, parent as (tier it resolves on,
+        // engine hash)). Blocks whose parent the rank no longer holds are
+        // left out.
+        type Info = FoldMap<u64, (u64, Option<(usize, u64)>)>;
+        let mut info: [Info; 4] = Default::default();
+        for (t, m) in st.tiers.iter().enumerate() {
+            for (&e, &k) in m {
                 let Some((local, parent_key)) = self.node_info(k) else {
                     continue;
                 };
                 let parent = if parent_key == k {
                     None
                 } else {
-                    let same = rev[t].get(&parent_key).map(|&pe| (pe, true));
-                    let other = || {
-                        (0..4)
-                            .filter(|&u| u != t)
-                            .find_map(|u| rev[u].get(&parent_key).map(|&pe| (pe, false)))
-                    };
-                    match same.or_else(other) {
+                    // Name the parent by an engine hash that a store's parent
+                    // lookup (this tier first) resolves to that very key.
+                    let cand = std::iter::once(t)
+                        .chain((0..4).filter(|&u| u != t))
+                        .filter_map(|u| rev[u].get(&parent_key).copied())
+                        .find_map(|pe| match st.resolve(t, pe) {
+                            Some((u, k)) if k == parent_key => Some((u, pe)),
+                            _ => None,
+                        });
+                    match cand {
                         Some(p) => Some(p),
-                        None => continue, // orphan: unreachable
+                        None => continue,
                     }
                 };
+                info[t].insert(e, (local, parent));
+            }
+        }
+        // Keep only blocks whose whole ancestry is dumped, so a loader can
+        // apply every chain.
+        let mut ok: [FoldMap<u64, bool>; 4] = Default::default();
+        for t in 0..4 {
+            for &e in info[t].keys() {
+                let mut path = Vec::new();
+                let mut cur = (t, e);
+                let verdict = loop {
+                    if let Some(&v) = ok[cur.0].get(&cur.1) {
+                        break v;
+                    }
+                    if path.contains(&cur) || path.len() > 1 << 20 {
+                        break false;
+                    }
+                    path.push(cur);
+                    match info[cur.0].get(&cur.1) {
+                        None => break false,
+                        Some((_, None)) => break true,
+                        Some((_, Some(p))) => cur = *p,
+                    }
+                };
+                for p in path {
+                    ok[p.0].insert(p.1, verdict);
+                }
+            }
+        }
+        for (t, tier) in Tier::ALL.into_iter().enumerate() {
+            let mut children: FoldMap<u64, Vec<u64>> = FoldMap::default();
+            let mut starts: Vec<u64> = Vec::new();
+            for (&e, &(_, parent)) in &info[t] {
+                if ok[t].get(&e) != Some(&true) {
+                    continue;
+                }
                 match parent {
-                    Some((pe, true)) if pe != e => children.entry(pe).or_default().push(e),
+                    Some((u, pe)) if u == t => children.entry(pe).or_default().push(e),
                     _ => starts.push(e),
                 }
-                info.insert(e, (local, parent));
             }
             starts.sort_unstable();
-            let mut seen: FoldMap<u64, ()> = FoldMap::default();
             let mut stack: Vec<(Option<u64>, u64)> = starts
                 .iter()
                 .rev()
-                .map(|&e| (info[&e].1.map(|(p, _)| p), e))
+                .map(|&e| (info[t][&e].1.map(|(_, p)| p), e))
                 .collect();
             while let Some((parent, first)) = stack.pop() {
                 let mut blocks = Vec::new();
                 let mut cur = Some(first);
                 while let Some(e) = cur {
-                    if seen.insert(e, ()).is_some() {
-                        break;
-                    }
                     blocks.push(StoredBlock {
                         engine_hash: e,
-                        local_hash: info[&e].0,
+                        local_hash: info[t][&e].0,
                     });
                     cur = None;
-                    if let Some(kids) = children.get(&e) {
-                        let mut kids = kids.clone();
+                    if let Some(kids) = children.get_mut(&e) {
                         kids.sort_unstable();
                         for &k in kids.iter().skip(1).rev() {
                             stack.push((Some(e), k));
@@ -658,32 +711,29 @@ impl Index {
                         cur = kids.first().copied();
                     }
                 }
-                if !blocks.is_empty() {
-                    out.push(DumpChain {
-                        wr,
-                        tier,
-                        parent_engine_hash: parent,
-                        blocks,
-                    });
-                }
+                out.push(DumpChain {
+                    wr,
+                    tier,
+                    parent_engine_hash: parent,
+                    blocks,
+                });
             }
         }
     }
 
     fn node_info(&self, key: u64) -> Option<(u64, u64)> {
         let g = self.nodes[node_shard(key)].0.read();
-        g.nodes.get(&key).map(|n| (n.local, n.parent))
+        g.nodes.get(key).map(|n| (n.local, n.parent))
     }
 
     /// Size figures (walks every shard briefly; not for the hot path).
     pub fn stats(&self) -> IndexStats {
         let mut s = IndexStats::default();
-        let node_bucket = std::mem::size_of::<(u64, Node)>() + 1;
         for sh in self.nodes.iter() {
             let g = sh.0.read();
             s.nodes += g.nodes.len();
             s.entries += g.entries;
-            s.bytes += g.nodes.capacity() * node_bucket + g.heap;
+            s.bytes += g.nodes.bucket_bytes() + g.heap;
         }
         let map_bucket = std::mem::size_of::<(u64, u64)>() + 1;
         let dup_bucket = std::mem::size_of::<((u8, u64), u32)>() + 1;
@@ -712,6 +762,13 @@ impl Index {
 }
 
 impl RankState {
+    /// Where a store on tier `t` naming parent `engine` finds it: (tier, key).
+    fn resolve(&self, t: usize, engine: u64) -> Option<(usize, u64)> {
+        std::iter::once(t)
+            .chain((0..4).filter(|&u| u != t))
+            .find_map(|u| self.tiers[u].get(&engine).map(|&k| (u, k)))
+    }
+
     /// Node key of the block this rank stored as `engine`, looking in tier `t`
     /// first, then the other tiers in `Tier::ALL` order.
     fn find(&self, t: usize, engine: u64) -> Option<u64> {

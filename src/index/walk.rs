@@ -24,7 +24,15 @@ pub(crate) struct Walk {
     lo: usize,
     hi: usize,
     started: bool,
+    /// List mode, once few slots are left: (slot, which of the three sets it
+    /// is still in, as bits 0..3). The bitsets are stale from then on.
+    few: Vec<(u32, u8)>,
+    listing: bool,
 }
+
+/// At most this many active slots switch the walk to list mode, where a step
+/// costs a holder lookup per slot instead of a pass over bitset words.
+const FEW: u32 = 4;
 
 impl Walk {
     pub(crate) fn new() -> Walk {
@@ -34,7 +42,12 @@ impl Walk {
     /// True once no slot is active any more.
     #[inline]
     pub(crate) fn done(&self) -> bool {
-        self.started && self.lo >= self.hi
+        self.started
+            && if self.listing {
+                self.few.is_empty()
+            } else {
+                self.lo >= self.hi
+            }
     }
 
     /// Applies block `i` held by `holders` (`None`: nobody holds it).
@@ -45,6 +58,33 @@ impl Walk {
         };
         if !self.started {
             self.start(h);
+            self.maybe_list();
+            return;
+        }
+        if self.listing {
+            let mut j = 0;
+            while j < self.few.len() {
+                let (slot, mut state) = self.few[j];
+                let m = h.mask(slot);
+                let keep = (m & DEV != 0) as u8
+                    | ((m & (DEV | HOST) != 0) as u8) << 1
+                    | ((m != 0) as u8) << 2;
+                let mut gone = state & !keep;
+                if gone != 0 {
+                    state &= keep;
+                    while gone != 0 {
+                        let k = gone.trailing_zeros() as usize;
+                        gone &= gone - 1;
+                        self.depth[slot as usize][k] = i;
+                    }
+                    if state == 0 {
+                        self.few.swap_remove(j);
+                        continue;
+                    }
+                    self.few[j].1 = state;
+                }
+                j += 1;
+            }
             return;
         }
         match h {
@@ -87,6 +127,35 @@ impl Walk {
         while self.hi > self.lo && self.set[2][self.hi - 1] == 0 {
             self.hi -= 1;
         }
+        self.maybe_list();
+    }
+
+    /// Switches to list mode once few slots are active.
+    fn maybe_list(&mut self) {
+        if self.hi - self.lo > FEW as usize {
+            return;
+        }
+        let n: u32 = self.set[2][self.lo..self.hi]
+            .iter()
+            .map(|w| w.count_ones())
+            .sum();
+        if n > FEW {
+            return;
+        }
+        self.few.clear();
+        for w in self.lo..self.hi {
+            let mut m = self.set[2][w];
+            while m != 0 {
+                let b = m.trailing_zeros() as usize;
+                m &= m - 1;
+                let bit = 1u64 << b;
+                let state = (self.set[0][w] & bit != 0) as u8
+                    | ((self.set[1][w] & bit != 0) as u8) << 1
+                    | 1 << 2;
+                self.few.push(((w * 64 + b) as u32, state));
+            }
+        }
+        self.listing = true;
     }
 
     #[inline]
@@ -127,6 +196,7 @@ impl Walk {
         self.first.clear();
         self.first.extend_from_slice(&self.set[2]);
         self.started = true;
+        self.listing = false;
         self.lo = 0;
         self.hi = words;
         while self.lo < self.hi && self.set[2][self.lo] == 0 {
@@ -143,6 +213,16 @@ impl Walk {
             self.started = true;
             self.lo = 0;
             self.hi = 0;
+            return;
+        }
+        if self.listing {
+            for (slot, state) in self.few.drain(..) {
+                for k in 0..3 {
+                    if state >> k & 1 == 1 {
+                        self.depth[slot as usize][k] = len;
+                    }
+                }
+            }
             return;
         }
         for w in self.lo..self.hi {

@@ -59,16 +59,18 @@ fn scalar_u32(b: &[u8], i: &mut usize) -> Option<u32> {
     Some(v as u32)
 }
 
-/// One element the fast loop refused, parsed by the general cursor: either a
-/// value after all or the exact error.
+/// One element the fast loops refused, parsed by the general cursor: either
+/// a value after all or the exact error. The cursor may sit on whitespace
+/// (the AVX2 run hands over right after a comma). A `]` here follows a comma
+/// (`[]` is handled up front): serde's `trailing comma`, reported on the
+/// array itself, not on an element.
 #[cold]
 #[inline(never)]
-fn slow_u32(cur: &mut Cur<'_>) -> PResult<u32> {
-    match cur.peek() {
-        // Only reachable right after a comma: `[]` is handled up front.
+fn slow_u32(cur: &mut Cur<'_>, index: usize) -> PResult<u32> {
+    match cur.ws() {
         Some(b']') => Err(cur.syntax_here("trailing comma")),
         None => Err(cur.eof("a value")),
-        _ => cur.u32_val(),
+        _ => cur.u32_val().index(index),
     }
 }
 
@@ -102,7 +104,7 @@ pub(crate) fn u32_array(
             Some(v) => v,
             None => {
                 cur.i = start;
-                let v = slow_u32(cur).index(out.len() - base)?;
+                let v = slow_u32(cur, out.len() - base)?;
                 i = cur.i;
                 v
             }

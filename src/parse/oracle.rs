@@ -129,9 +129,10 @@ struct RefMm {
     block_mm_infos: Option<Vec<Option<RefBlockInfo>>>,
 }
 
-/// The /select body as one flat serde struct.
+/// The /select body as one flat serde struct: the oracle, and the "serde_json
+/// typed" peer in the parse bench.
 #[derive(Deserialize, Debug)]
-struct RefSelect {
+pub struct RefSelect {
     model_name: Option<String>,
     routing_group: Option<String>,
     selection_id: Option<String>,
@@ -155,6 +156,59 @@ struct RefSelect {
     lora_name: Option<String>,
     cache_salt: Option<String>,
     is_eagle: Option<bool>,
+}
+
+impl RefSelect {
+    /// Tokens read (keeps benches from optimising the parse away).
+    pub fn token_count(&self) -> usize {
+        self.token_ids.as_ref().map_or(0, Vec::len)
+    }
+}
+
+/// The flattened prompt group, as the reference declares it.
+#[derive(Deserialize, Debug)]
+#[allow(dead_code)] // read only through Debug: the bench measures the parse
+pub struct RefPrompt {
+    token_ids: Option<Vec<u32>>,
+    mm_routing_info: Option<RefMm>,
+    block_mm_infos: Option<Vec<Option<RefBlockInfo>>>,
+    block_hashes: Option<Vec<i64>>,
+    sequence_hashes: Option<Vec<i64>>,
+    isl_tokens: Option<usize>,
+    lora_name: Option<String>,
+    cache_salt: Option<String>,
+    is_eagle: Option<bool>,
+}
+
+/// The /select body with a `#[serde(flatten)]` prompt: the design the
+/// reference uses (every field goes through serde's `Content` buffer). The
+/// "serde_json flatten" peer in the parse bench.
+#[derive(Deserialize, Debug)]
+#[allow(dead_code)] // read only through Debug: the bench measures the parse
+pub struct RefSelectFlatten {
+    model_name: Option<String>,
+    routing_group: Option<String>,
+    selection_id: Option<String>,
+    session_id: Option<String>,
+    session_context: Option<RefSessionContext>,
+    router_config_override: Option<RefOverride>,
+    expected_output_tokens: Option<u32>,
+    priority_jump: Option<f64>,
+    strict_priority: Option<u32>,
+    pinned_worker: Option<RefPinned>,
+    affinity_target: Option<RefAffinity>,
+    allowed_worker_ids: Option<Vec<u64>>,
+    routing_constraints: Option<RefConstraints>,
+    advisory: Option<bool>,
+    #[serde(flatten)]
+    prompt: RefPrompt,
+}
+
+impl RefSelectFlatten {
+    /// Tokens read.
+    pub fn token_count(&self) -> usize {
+        self.prompt.token_ids.as_ref().map_or(0, Vec::len)
+    }
 }
 
 fn override_ok(o: &RefOverride) -> bool {

@@ -22,7 +22,8 @@ pub(crate) enum Run {
     Bail(usize),
 }
 
-/// Is AVX2 available on this CPU? Detected once, then a relaxed load.
+/// Are AVX2 (and the BMI1/LZCNT/POPCNT bit tricks the run uses) available
+/// on this CPU? Detected once, then a relaxed load.
 pub fn avx2_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -32,7 +33,10 @@ pub fn avx2_available() -> bool {
             2 => true,
             1 => false,
             _ => {
-                let yes = std::is_x86_feature_detected!("avx2");
+                let yes = std::is_x86_feature_detected!("avx2")
+                    && std::is_x86_feature_detected!("bmi1")
+                    && std::is_x86_feature_detected!("lzcnt")
+                    && std::is_x86_feature_detected!("popcnt");
                 STATE.store(if yes { 2 } else { 1 }, Ordering::Relaxed);
                 yes
             }
@@ -52,7 +56,7 @@ pub(crate) fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize) -> Run
     #[cfg(target_arch = "x86_64")]
     {
         if avx2_available() {
-            // SAFETY: AVX2 support was detected at run time just above.
+            // SAFETY: AVX2, BMI1, LZCNT and POPCNT were detected at run time.
             return unsafe { avx2::u32_run(b, i, out, max) };
         }
     }
@@ -96,63 +100,246 @@ mod avx2 {
 
     /// Bytes that must follow a chunk start so that a digit run found in the
     /// chunk (<= 32 bytes), its SWAR load (8) and its separator stay in bounds.
-    const MARGIN: usize = 64;
+    const MARGIN: usize = 128;
+    /// Bytes classified per iteration (one bit each in a u64 mask). Wide, so
+    /// that the serial step from one chunk to the next (which depends on where
+    /// the last comma was) is paid once per ~9 realistic ids.
+    const CHUNK: usize = 64;
+    /// Numbers converted per vector (one 64-bit lane each).
+    const GROUP: usize = 4;
 
-    #[target_feature(enable = "avx2")]
+    /// Four 8-byte digit windows (first digit in the lowest byte) and their
+    /// left shifts (8 * (8 - digits)) to four u32 values: `maddubs` combines
+    /// digit pairs, `madd` pairs of pairs, `mul_epu32` the two halves.
+    #[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
+    fn convert4(win: [i64; GROUP], shift: [i64; GROUP]) -> __m128i {
+        let v = _mm256_set_epi64x(win[3], win[2], win[1], win[0]);
+        let sh = _mm256_set_epi64x(shift[3], shift[2], shift[1], shift[0]);
+        let v = _mm256_sub_epi8(v, _mm256_set1_epi8(b'0' as i8));
+        let v = _mm256_sllv_epi64(v, sh);
+        let v = _mm256_maddubs_epi16(v, _mm256_set1_epi16(0x010A));
+        let v = _mm256_madd_epi16(v, _mm256_set1_epi32(0x0001_0064));
+        let v = _mm256_add_epi64(
+            _mm256_mul_epu32(v, _mm256_set1_epi64x(10_000)),
+            _mm256_srli_epi64(v, 32),
+        );
+        let v = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+        _mm256_castsi256_si128(v)
+    }
+
+    /// Per-chunk byte classes, one bit per byte.
+    struct Masks {
+        digit: u64,
+        comma: u64,
+        space: u64,
+        zero: u64,
+    }
+
+    #[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
+    fn classify32(v: __m256i) -> [u64; 4] {
+        let zero_c = _mm256_set1_epi8(b'0' as i8);
+        let t = _mm256_sub_epi8(v, zero_c);
+        let is_digit = _mm256_cmpeq_epi8(_mm256_min_epu8(t, _mm256_set1_epi8(9)), t);
+        let mask = |x| _mm256_movemask_epi8(x) as u32 as u64;
+        [
+            mask(is_digit),
+            mask(_mm256_cmpeq_epi8(v, _mm256_set1_epi8(b',' as i8))),
+            mask(_mm256_cmpeq_epi8(v, _mm256_set1_epi8(b' ' as i8))),
+            mask(_mm256_cmpeq_epi8(v, zero_c)),
+        ]
+    }
+
+    /// Classifies the CHUNK bytes at `b[p..]`; needs `p + CHUNK <= b.len()`.
+    #[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
+    fn classify(b: &[u8], p: usize) -> Masks {
+        debug_assert!(p + CHUNK <= b.len());
+        let mut m = Masks {
+            digit: 0,
+            comma: 0,
+            space: 0,
+            zero: 0,
+        };
+        for j in 0..CHUNK / 32 {
+            // SAFETY: p + CHUNK <= b.len() (callers check p + MARGIN <=
+            // b.len()), so each unaligned 32-byte load reads only bytes of `b`.
+            let v = unsafe { _mm256_loadu_si256(b.as_ptr().add(p + 32 * j) as *const __m256i) };
+            let c = classify32(v);
+            let sh = 32 * j as u32;
+            m.digit |= (c[0] as u64) << sh;
+            m.comma |= (c[1] as u64) << sh;
+            m.space |= (c[2] as u64) << sh;
+            m.zero |= (c[3] as u64) << sh;
+        }
+        m
+    }
+
+    /// The bulk run. Per chunk, when the bytes up to the last comma are only
+    /// digit runs separated by `,` or `, ` (checked on the masks: every comma
+    /// follows a digit, every space follows a comma), all numbers ending
+    /// before that comma are converted without a serial scan: each start bit
+    /// gives a number, its length is a `trailing_zeros`, and the numbers are
+    /// independent of each other. Other chunks go element by element
+    /// ([`step`]).
+    #[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
     pub(super) unsafe fn u32_run(b: &[u8], mut p: usize, out: &mut Vec<u32>, max: usize) -> Run {
-        let zero = _mm256_set1_epi8(b'0' as i8);
-        let nine = _mm256_set1_epi8(9);
-        while p + MARGIN <= b.len() && out.len() + 16 <= max {
-            // SAFETY: p + 32 <= p + MARGIN <= b.len(), so the unaligned 32-byte
-            // load reads only bytes of `b`.
-            let v = unsafe { _mm256_loadu_si256(b.as_ptr().add(p) as *const __m256i) };
-            let t = _mm256_sub_epi8(v, zero);
-            let is_digit = _mm256_cmpeq_epi8(_mm256_min_epu8(t, nine), t);
-            // Bits 32..64 are zero: "not a digit" beyond the chunk.
-            let non_digit = !(_mm256_movemask_epi8(is_digit) as u32 as u64);
-            out.reserve(16);
-            let mut s = 0usize;
-            loop {
-                let n = (non_digit >> s).trailing_zeros() as usize;
-                if s + n >= 32 {
-                    // The run may continue past the chunk: reload from its start.
-                    break;
-                }
-                let q = p + s;
-                if n == 0 || n > 10 || (n > 1 && b[q] == b'0') {
-                    return Run::Bail(q);
-                }
-                let e = q + n;
-                let value = digits_value(b, q, n);
-                if value > u32::MAX as u64 {
-                    return Run::Bail(q);
-                }
-                match b[e] {
-                    b',' => {
-                        let mut k = e + 1;
-                        while k < b.len() && is_ws(b[k]) {
-                            k += 1;
-                        }
-                        out.push(value as u32);
-                        s = k - p;
+        while p + MARGIN <= b.len() && out.len() + CHUNK / 2 <= max {
+            let m = classify(b, p);
+            let other = !(m.digit | m.comma | m.space);
+            let region = if other == 0 {
+                u64::MAX
+            } else {
+                (1u64 << other.trailing_zeros()) - 1
+            };
+            let commas = m.comma & region;
+            let bulk = m.digit & 1 != 0
+                && commas != 0
+                && commas & !(m.digit << 1) == 0
+                && m.space & region & !(m.comma << 1) == 0;
+            if !bulk {
+                match step(b, p, m.digit as u32, out) {
+                    Ok(np) => {
+                        p = np;
+                        continue;
                     }
-                    b']' => {
-                        out.push(value as u32);
-                        return Run::Done(e + 1);
-                    }
-                    _ => return Run::Bail(q),
-                }
-                if s >= 32 {
-                    break;
+                    Err(run) => return run,
                 }
             }
-            if s == 0 {
-                // A 32-digit run: not a u32; let the scalar loop say so.
-                return Run::Bail(p);
+            let last_comma = 63 - commas.leading_zeros();
+            let span = if last_comma == 63 {
+                u64::MAX
+            } else {
+                (1u64 << (last_comma + 1)) - 1
+            };
+            let mut starts = m.digit & !(m.digit << 1) & span;
+            // A start '0' followed by a digit is a leading zero: stop there.
+            let bad = starts & m.zero & (m.digit >> 1);
+            if bad != 0 {
+                starts &= (bad & bad.wrapping_neg()) - 1;
             }
-            p += s;
+            let non_digit = !m.digit;
+            out.reserve(CHUNK / 2 + GROUP);
+            let base = out.len();
+            let count = starts.count_ones() as usize;
+            let dst = out.spare_capacity_mut();
+            // Fast: groups of GROUP numbers converted together in one vector
+            // (one 8-byte window per 64-bit lane). Slots past `count` get junk
+            // that `set_len` leaves out. A run longer than 8 digits sends the
+            // chunk to the exact loop below.
+            let mut long = false;
+            let mut k = 0usize;
+            let mut rest = starts;
+            while k < count {
+                let mut win = [0i64; GROUP];
+                let mut shift = [0i64; GROUP];
+                for j in 0..GROUP {
+                    let pos = rest.trailing_zeros() as usize; // 64 once empty
+                    rest &= rest.wrapping_sub(1);
+                    let n = (non_digit >> (pos & 63)).trailing_zeros() as u64;
+                    // (An empty slot's n is junk: it is neither kept nor "long".)
+                    long |= n > 8 && pos < 64;
+                    let q = p + pos;
+                    let mut w = [0u8; 8];
+                    w.copy_from_slice(&b[q..q + 8]);
+                    win[j] = i64::from_le_bytes(w);
+                    // Shift the n digits to the top of the lane; >= 64 clears it.
+                    shift[j] = (8u64.wrapping_sub(n) << 3) as i64;
+                }
+                let packed = convert4(win, shift);
+                debug_assert!(k + GROUP <= dst.len());
+                // SAFETY: `reserve(CHUNK / 2 + GROUP)` left that many spare slots
+                // and k < count <= CHUNK / 2, so the 4 u32 written at k are in
+                // the spare capacity; unaligned store.
+                unsafe { _mm_storeu_si128(dst.as_mut_ptr().add(k) as *mut __m128i, packed) };
+                k += GROUP;
+            }
+            if !long {
+                // SAFETY: slots base..base + count were written above (k >= count).
+                unsafe { out.set_len(base + count) };
+            } else {
+                let mut k = 0usize;
+                while starts != 0 {
+                    let pos = starts.trailing_zeros() as usize;
+                    starts &= starts - 1;
+                    let n = (non_digit >> pos).trailing_zeros() as usize;
+                    let q = p + pos;
+                    let value = if n <= 10 {
+                        digits_value(b, q, n)
+                    } else {
+                        u64::MAX
+                    };
+                    if value > u32::MAX as u64 {
+                        // SAFETY: the first k slots past `base` were written below.
+                        unsafe { out.set_len(base + k) };
+                        return Run::Bail(q);
+                    }
+                    // At most CHUNK / 2 starts fit in CHUNK bytes and room for
+                    // CHUNK / 2 + GROUP was reserved, so k < dst.len().
+                    dst[k].write(value as u32);
+                    k += 1;
+                }
+                // SAFETY: slots base..base + k were initialised in the loop above.
+                unsafe { out.set_len(base + k) };
+            }
+            if bad != 0 {
+                return Run::Bail(p + bad.trailing_zeros() as usize);
+            }
+            // The next element starts after the last comma and its space
+            // (read from the mask, not memory: this is the serial step).
+            let after = last_comma as usize + 1;
+            let space_after = if after < CHUNK {
+                (m.space >> after) as usize & 1
+            } else {
+                (b[p + after] == b' ') as usize
+            };
+            p += after + space_after;
         }
         Run::Bail(p)
+    }
+
+    /// Element-by-element conversion within one chunk, for chunks with other
+    /// whitespace, the array's end, or anything unusual. `Ok` gives the next
+    /// chunk start (an element start); `Err` ends the run.
+    fn step(b: &[u8], p: usize, digit: u32, out: &mut Vec<u32>) -> Result<usize, Run> {
+        let non_digit = !(digit as u64);
+        let mut s = 0usize;
+        loop {
+            let n = (non_digit >> s).trailing_zeros() as usize;
+            if s + n >= 32 {
+                if s == 0 {
+                    // A 32-digit run: not a u32; the scalar loop says so.
+                    return Err(Run::Bail(p));
+                }
+                // The run may continue past the chunk: reload from its start.
+                return Ok(p + s);
+            }
+            let q = p + s;
+            if n == 0 || n > 10 || (n > 1 && b[q] == b'0') {
+                return Err(Run::Bail(q));
+            }
+            let e = q + n;
+            let value = digits_value(b, q, n);
+            if value > u32::MAX as u64 {
+                return Err(Run::Bail(q));
+            }
+            match b[e] {
+                b',' => {
+                    let mut k = e + 1;
+                    while k < b.len() && is_ws(b[k]) {
+                        k += 1;
+                    }
+                    out.push(value as u32);
+                    s = k - p;
+                }
+                b']' => {
+                    out.push(value as u32);
+                    return Err(Run::Done(e + 1));
+                }
+                _ => return Err(Run::Bail(q)),
+            }
+            if s >= 32 {
+                return Ok(p + s);
+            }
+        }
     }
 }
 

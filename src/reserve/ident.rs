@@ -1,4 +1,4 @@
-//! Hashing of u64 identities for the ledger's sharded maps.
+//! Hashing of u64 identities (and worker ranks) for the ledger's sharded maps.
 //!
 //! Identities are usually sequence hashes (already uniform), but precomputed
 //! `sequence_hashes` come straight from clients and may be `1, 2, 3, ...` or
@@ -52,7 +52,12 @@ impl Hasher for IdentHasher {
         self.state = mix(x ^ self.state, self.key);
     }
 
-    // Only u64 keys are hashed through here; any other input still hashes
+    #[inline]
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(u64::from(x));
+    }
+
+    // Only u64 / u32 fields are hashed through here; any other input still hashes
     // deterministically, one byte at a time.
     fn write(&mut self, bytes: &[u8]) {
         for &b in bytes {

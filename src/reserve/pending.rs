@@ -168,7 +168,8 @@ impl PendingCache {
         freed.extend(g.remove(&key));
         let keep = !self.ttl.is_zero() && self.max_entries > 0 && bytes <= self.max_bytes;
         if keep {
-            while g.map.len() >= self.max_entries || g.bytes + bytes > self.max_bytes {
+            while g.map.len() >= self.max_entries || g.bytes.saturating_add(bytes) > self.max_bytes
+            {
                 match g.pop_oldest() {
                     Some(old) => freed.push(old),
                     None => break,

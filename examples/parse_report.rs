@@ -1,0 +1,173 @@
+//! A short version of `benches/parse.rs` on one 100k-token /select body with
+//! realistic ids: every contender timed in the same run, then
+//! `ratio_vs_serde_typed_100k=<serde_json typed time / our best time>` as the
+//! last line.
+//!
+//! `cargo run --release --example parse_report`
+
+use kvselect::parse::oracle::{RefSelect, RefSelectFlatten};
+use kvselect::parse::{avx2_available, NumberPath, ParseLimits, Parser, SelectKind};
+use kvselect::pool::Pool;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::hint::black_box;
+
+/// This thread's CPU time in ns: on a machine shared by several builds,
+/// wall time measures the scheduler more than the parser.
+fn thread_cpu_ns() -> u128 {
+    #[repr(C)]
+    struct Timespec {
+        tv_sec: i64,
+        tv_nsec: i64,
+    }
+    extern "C" {
+        fn clock_gettime(clock: i32, tp: *mut Timespec) -> i32;
+    }
+    const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
+    let mut t = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a valid pointer.
+    unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    t.tv_sec as u128 * 1_000_000_000 + t.tv_nsec as u128
+}
+
+const TOKENS: usize = 100_000;
+
+fn body() -> Vec<u8> {
+    let mut rng = SmallRng::seed_from_u64(100_000);
+    let mut s = String::from(r#"{"model_name":"qwen","routing_group":"default","token_ids":["#);
+    for i in 0..TOKENS {
+        if i > 0 {
+            s.push(',');
+        }
+        s.push_str(&rng.random_range(0..151_936u32).to_string());
+    }
+    s.push_str(r#"],"router_config_override":{"track_prefill_tokens":true}}"#);
+    s.into_bytes()
+}
+
+/// Median per-call CPU time over 9 rounds of 40 calls.
+fn median_ns(mut f: impl FnMut(&[u8]) -> usize, b: &[u8]) -> f64 {
+    for _ in 0..10 {
+        black_box(f(b));
+    }
+    let mut t: Vec<f64> = (0..9)
+        .map(|_| {
+            let start = thread_cpu_ns();
+            for _ in 0..40 {
+                black_box(f(black_box(b)));
+            }
+            (thread_cpu_ns() - start) as f64 / 40.0
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[4]
+}
+
+fn main() {
+    let b = body();
+    let mk = |p| {
+        Parser::new(
+            ParseLimits::default(),
+            Pool::new(4, 1 << 20),
+            Pool::new(4, 1 << 20),
+        )
+        .with_number_path(p)
+    };
+    let scalar = mk(NumberPath::Scalar);
+    let simd = mk(NumberPath::Simd);
+    let ours = |p: &Parser, b: &[u8]| {
+        let r = p.select(b, SelectKind::Select).unwrap();
+        r.prompt.token_ids.as_ref().map_or(0, |t| t.len())
+    };
+    if let Ok(which) = std::env::var("PARSE_REPORT_PROFILE") {
+        // Profiling aid: loop one of our paths for a few seconds.
+        let p = if which == "scalar" { &scalar } else { &simd };
+        for _ in 0..3000 {
+            black_box(ours(p, &b));
+        }
+        return;
+    }
+    let mut scratch = Vec::new();
+    let mut copy = Vec::new();
+    let rows = [
+        (
+            "memcpy",
+            median_ns(
+                |b| {
+                    copy.clear();
+                    copy.extend_from_slice(b);
+                    copy.len()
+                },
+                &b,
+            ),
+        ),
+        (
+            "serde_json_flatten",
+            median_ns(
+                |b| {
+                    serde_json::from_slice::<RefSelectFlatten>(b)
+                        .unwrap()
+                        .token_count()
+                },
+                &b,
+            ),
+        ),
+        (
+            "serde_json_typed",
+            median_ns(
+                |b| {
+                    serde_json::from_slice::<RefSelect>(b)
+                        .unwrap()
+                        .token_count()
+                },
+                &b,
+            ),
+        ),
+        (
+            "simd_json_typed",
+            median_ns(
+                |b| {
+                    scratch.clear();
+                    scratch.extend_from_slice(b);
+                    simd_json::serde::from_slice::<RefSelect>(&mut scratch)
+                        .unwrap()
+                        .token_count()
+                },
+                &b,
+            ),
+        ),
+        (
+            "sonic_rs_typed",
+            median_ns(
+                |b| sonic_rs::from_slice::<RefSelect>(b).unwrap().token_count(),
+                &b,
+            ),
+        ),
+        ("kvselect_scalar", median_ns(|b| ours(&scalar, b), &b)),
+        ("kvselect_simd", median_ns(|b| ours(&simd, b), &b)),
+    ];
+    let serde_typed = rows[2].1;
+    println!(
+        "100k-token /select body: {} bytes, avx2={}",
+        b.len(),
+        avx2_available()
+    );
+    for (name, ns) in &rows {
+        println!(
+            "{name:>20} {:>9.1} us {:>7.3} ns/token {:>6.3} GB/s  ratio_vs_serde_typed {:>6.2}",
+            ns / 1000.0,
+            ns / TOKENS as f64,
+            b.len() as f64 / ns,
+            serde_typed / ns
+        );
+    }
+    let best = rows[5].1.min(rows[6].1);
+    println!(
+        "scalar_ratio_vs_serde_typed_100k={:.2}",
+        serde_typed / rows[5].1
+    );
+    println!("ratio_vs_serde_typed_100k={:.2}", serde_typed / best);
+}

@@ -1,0 +1,162 @@
+//! Timing of the ledger's selection-path reads (not a criterion bench).
+//!
+//! `cargo run --release --example reserve_new_blocks`
+//!
+//! new_blocks for 1,024 candidate ranks x a 6,250-identity prompt, in three
+//! states, against a naive peer (one HashSet per rank, every identity probed
+//! on every rank: O(ranks x identities)); plus loads() and book/free cost.
+
+use std::collections::HashSet;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use kvselect::index::WorkerRank;
+use kvselect::reserve::{Booking, Ledger};
+
+const RANKS: u64 = 1024;
+const PROMPT: u64 = 6250;
+const PREFIX: u64 = 1000;
+
+fn median(mut f: impl FnMut(), iters: usize) -> Duration {
+    let mut t: Vec<Duration> = (0..iters)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            s.elapsed()
+        })
+        .collect();
+    t.sort();
+    t[iters / 2]
+}
+
+fn naive(sets: &[HashSet<u64>], ids: &[u64], out: &mut Vec<u64>) {
+    out.clear();
+    out.extend(
+        sets.iter()
+            .map(|s| ids.iter().filter(|x| !s.contains(x)).count() as u64),
+    );
+}
+
+fn main() {
+    let ranks: Vec<WorkerRank> = (0..RANKS)
+        .map(|i| WorkerRank {
+            worker_id: 1000 + i / 8,
+            dp_rank: (i % 8) as u32,
+        })
+        .collect();
+    // A 6,250-block prompt whose first 1,000 identities are the shared prefix.
+    let prompt: Vec<u64> = (0..PROMPT)
+        .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 7)
+        .collect();
+    let mut out = Vec::new();
+    let iters = 31;
+    let report = |name: &str, ledger_t: Duration, naive_t: Option<Duration>| match naive_t {
+        Some(n) => println!(
+            "{name:<48} ledger {:>9.1} us   naive {:>9.1} us   naive/ledger {:>6.1}x",
+            ledger_t.as_secs_f64() * 1e6,
+            n.as_secs_f64() * 1e6,
+            n.as_secs_f64() / ledger_t.as_secs_f64()
+        ),
+        None => println!("{name:<48} {:>9.1} us", ledger_t.as_secs_f64() * 1e6),
+    };
+
+    // 1. All ranks idle.
+    let ledger = Ledger::default();
+    let sets: Vec<HashSet<u64>> = vec![HashSet::new(); RANKS as usize];
+    let t = median(
+        || ledger.new_blocks(black_box(&ranks), black_box(&prompt), &mut out),
+        iters,
+    );
+    assert!(out.iter().all(|&n| n == PROMPT));
+    let n = median(|| naive(&sets, &prompt, &mut out), 5);
+    report("new_blocks 1024 x 6250, all idle", t, Some(n));
+
+    // 2. Every rank busy with 100 unrelated identities (no hits).
+    let mut sets: Vec<HashSet<u64>> = Vec::new();
+    for (i, &wr) in ranks.iter().enumerate() {
+        let ids: Vec<u64> = (0..100)
+            .map(|k| (1u64 << 63) | ((i as u64) << 20) | k)
+            .collect();
+        ledger
+            .book(Booking {
+                selection_id: &format!("u{i}"),
+                wr,
+                identities: &ids,
+                prefill_tokens: 0,
+                now: Instant::now(),
+            })
+            .unwrap();
+        sets.push(ids.into_iter().collect());
+    }
+    let t = median(
+        || ledger.new_blocks(black_box(&ranks), black_box(&prompt), &mut out),
+        iters,
+    );
+    assert!(out.iter().all(|&n| n == PROMPT));
+    let n = median(|| naive(&sets, &prompt, &mut out), 5);
+    report("new_blocks 1024 x 6250, busy, no shared blocks", t, Some(n));
+
+    // 3. The 1,000-identity prefix active on every rank (1,024,000 hits).
+    for (i, &wr) in ranks.iter().enumerate() {
+        ledger
+            .book(Booking {
+                selection_id: &format!("p{i}"),
+                wr,
+                identities: &prompt[..PREFIX as usize],
+                prefill_tokens: 0,
+                now: Instant::now(),
+            })
+            .unwrap();
+        sets[i].extend(&prompt[..PREFIX as usize]);
+    }
+    let t = median(
+        || ledger.new_blocks(black_box(&ranks), black_box(&prompt), &mut out),
+        iters,
+    );
+    assert!(out.iter().all(|&n| n == PROMPT - PREFIX));
+    let n = median(|| naive(&sets, &prompt, &mut out), 5);
+    report(
+        "new_blocks 1024 x 6250, 1000-prefix on every rank",
+        t,
+        Some(n),
+    );
+
+    let mut loads = Vec::new();
+    let t = median(|| ledger.loads(black_box(&ranks), &mut loads), iters);
+    report("loads 1024 ranks", t, None);
+
+    // Book, then free, of the whole 6,250-identity prompt on one busy rank
+    // (its first 1,000 identities are already held by all 1,024 ranks), and
+    // on an idle ledger.
+    let idle = Ledger::default();
+    for (name, l) in [("busy", &ledger), ("idle", &idle)] {
+        let (mut book_t, mut free_t) = (Vec::new(), Vec::new());
+        for _ in 0..iters {
+            let s = Instant::now();
+            l.book(Booking {
+                selection_id: "big",
+                wr: ranks[0],
+                identities: &prompt,
+                prefill_tokens: 100,
+                now: Instant::now(),
+            })
+            .unwrap();
+            book_t.push(s.elapsed());
+            let s = Instant::now();
+            l.free("big").unwrap();
+            free_t.push(s.elapsed());
+        }
+        book_t.sort();
+        free_t.sort();
+        report(
+            &format!("book 6250 identities, {name} ledger"),
+            book_t[iters / 2],
+            None,
+        );
+        report(
+            &format!("free 6250 identities, {name} ledger"),
+            free_t[iters / 2],
+            None,
+        );
+    }
+}

@@ -1,0 +1,10 @@
+//! POST /workers (upsert) and PATCH /workers/{id} bodies.
+#![no_main]
+
+use kvselect::parse::oracle::{fuzz_body, BodyKind};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    fuzz_body(BodyKind::WorkerUpsert, data);
+    fuzz_body(BodyKind::WorkerPatch, data);
+});

@@ -1,0 +1,340 @@
+//! The node table of one shard: open addressing with Robin Hood linear
+//! probing, keyed by the node key (a hash), storing nodes inline.
+//!
+//! Why not `HashMap`: an overlap walk does thousands of lookups whose keys it
+//! knows in advance, so it prefetches the home bucket of key `i + D` while it
+//! works on key `i`; that needs the bucket address. Inline buckets make a hit
+//! one cache miss (SwissTable: control bytes, then the bucket). Capacities are
+//! not powers of two (the home bucket is a multiply-shift range reduction), so
+//! growth by 1.5x (past 4,096 buckets) keeps the load between 0.58 and 0.875,
+//! which bounds the memory per node.
+//!
+//! Invariants: a bucket is vacant iff its node's holder set is empty (a node
+//! nobody holds is removed at once, with backward-shift deletion, so there are
+//! no tombstones); Robin Hood order holds, so a lookup stops at the first
+//! bucket whose resident is closer to its home than the probe is.
+
+use super::holders::Holders;
+
+pub(crate) struct Node {
+    pub(crate) key: u64,
+    pub(crate) local: u64,
+    /// Key of the parent node; equal to `key` for a root.
+    pub(crate) parent: u64,
+    pub(crate) holders: Holders,
+}
+
+impl Node {
+    fn vacant() -> Node {
+        Node {
+            key: 0,
+            local: 0,
+            parent: 0,
+            holders: Holders::default(),
+        }
+    }
+
+    /// Reads only the bucket itself: a node with list or bitset holders always
+    /// has more than two of them (smaller sets go back inline).
+    #[inline]
+    fn is_vacant(&self) -> bool {
+        self.holders.is_inline_empty()
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct NodeTable {
+    buckets: Vec<Node>,
+    len: usize,
+}
+
+/// Spreads every key bit over the high half, which the range reduction uses
+/// (the shard already fixed the key's own high bits).
+#[inline]
+fn mix(key: u64) -> u64 {
+    let p = (key as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_u128);
+    (p as u64) ^ ((p >> 64) as u64)
+}
+
+#[inline]
+fn home(key: u64, n: usize) -> usize {
+    ((mix(key) as u128 * n as u128) >> 64) as usize
+}
+
+const MIN_CAPACITY: usize = 8;
+
+/// Next capacity: doubling while small (fewer rehashes, little memory at
+/// stake), then 1.5x so a big table's load stays between 0.58 and 0.875.
+fn grown(cap: usize) -> usize {
+    if cap < 4096 {
+        (cap * 2).max(MIN_CAPACITY)
+    } else {
+        cap + cap / 2
+    }
+}
+
+impl NodeTable {
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    #[cfg(test)]
+    pub(crate) fn capacity(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// Heap bytes of the bucket array.
+    pub(crate) fn bucket_bytes(&self) -> usize {
+        self.buckets.capacity() * std::mem::size_of::<Node>()
+    }
+
+    #[inline]
+    fn dist(&self, i: usize) -> usize {
+        let n = self.buckets.len();
+        let h = home(self.buckets[i].key, n);
+        if i >= h {
+            i - h
+        } else {
+            i + n - h
+        }
+    }
+
+    #[inline]
+    fn find(&self, key: u64) -> Option<usize> {
+        let n = self.buckets.len();
+        if n == 0 {
+            return None;
+        }
+        let mut i = home(key, n);
+        let mut d = 0;
+        loop {
+            let b = &self.buckets[i];
+            // Vacant buckets have key 0, so test vacancy only on a key match
+            // or before giving up.
+            if b.key == key && !b.is_vacant() {
+                return Some(i);
+            }
+            if b.is_vacant() {
+                return None;
+            }
+            if self.dist(i) < d {
+                return None;
+            }
+            d += 1;
+            i += 1;
+            if i == n {
+                i = 0;
+            }
+        }
+    }
+
+    #[inline]
+    pub(crate) fn get(&self, key: u64) -> Option<&Node> {
+        self.find(key).map(|i| &self.buckets[i])
+    }
+
+    /// Hints the CPU to fetch the home bucket of `key`.
+    #[inline]
+    pub(crate) fn prefetch(&self, key: u64) {
+        let n = self.buckets.len();
+        if n == 0 {
+            return;
+        }
+        let p = self.buckets[home(key, n)..].as_ptr();
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: prefetching is a hint that never faults, and `p` points into
+        // our own live allocation anyway.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            // A 40-byte bucket may straddle two lines, and a probe often
+            // reads the next bucket too.
+            _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(64));
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = p;
+    }
+
+    /// The node of `key`, inserted with `local` and `parent` (and no holders)
+    /// if absent. The caller must give it a holder before releasing the table
+    /// (an empty node reads as a vacant bucket).
+    pub(crate) fn entry(&mut self, key: u64, local: u64, parent: u64) -> &mut Node {
+        // Grow first (possibly one insert early when `key` is present): the
+        // probe below then both finds and inserts.
+        if (self.len + 1) * 8 > self.buckets.len() * 7 {
+            let cap = grown(self.buckets.len());
+            self.resize(cap);
+        }
+        let n = self.buckets.len();
+        let mut i = home(key, n);
+        let mut d = 0;
+        loop {
+            let b = &self.buckets[i];
+            if b.is_vacant() {
+                break;
+            }
+            if b.key == key {
+                return &mut self.buckets[i];
+            }
+            if self.dist(i) < d {
+                break;
+            }
+            d += 1;
+            i += 1;
+            if i == n {
+                i = 0;
+            }
+        }
+        // Absent: ours goes to bucket `i`; Robin Hood moves the residents
+        // from there on. (Until the caller gives it a holder the new node
+        // reads as vacant; only buckets ahead are probed here.)
+        let at = i;
+        let mut cur = std::mem::replace(
+            &mut self.buckets[i],
+            Node {
+                key,
+                local,
+                parent,
+                holders: Holders::default(),
+            },
+        );
+        if !cur.is_vacant() {
+            d = self.dist_of(cur.key, i);
+            loop {
+                d += 1;
+                i += 1;
+                if i == n {
+                    i = 0;
+                }
+                if self.buckets[i].is_vacant() {
+                    self.buckets[i] = cur;
+                    break;
+                }
+                let di = self.dist(i);
+                if di < d {
+                    std::mem::swap(&mut self.buckets[i], &mut cur);
+                    d = di;
+                }
+            }
+        }
+        self.len += 1;
+        &mut self.buckets[at]
+    }
+
+    #[inline]
+    fn dist_of(&self, key: u64, i: usize) -> usize {
+        let n = self.buckets.len();
+        let h = home(key, n);
+        if i >= h {
+            i - h
+        } else {
+            i + n - h
+        }
+    }
+
+    /// Applies `f` to the node of `key`, if present, and removes the node if
+    /// `f` left it without holders.
+    pub(crate) fn update<R>(&mut self, key: u64, f: impl FnOnce(&mut Node) -> R) -> Option<R> {
+        let i = self.find(key)?;
+        let r = f(&mut self.buckets[i]);
+        if self.buckets[i].is_vacant() {
+            self.remove_at(i);
+        }
+        Some(r)
+    }
+
+    fn remove_at(&mut self, mut i: usize) {
+        let n = self.buckets.len();
+        loop {
+            let j = if i + 1 == n { 0 } else { i + 1 };
+            if self.buckets[j].is_vacant() || self.dist(j) == 0 {
+                break;
+            }
+            self.buckets.swap(i, j);
+            i = j;
+        }
+        self.buckets[i] = Node::vacant();
+        self.len -= 1;
+        if self.len == 0 {
+            self.buckets = Vec::new();
+        } else if self.buckets.len() > 4 * MIN_CAPACITY && self.len * 4 < self.buckets.len() {
+            self.resize(self.len * 2);
+        }
+    }
+
+    fn resize(&mut self, cap: usize) {
+        let old = std::mem::take(&mut self.buckets);
+        let mut buckets = Vec::with_capacity(cap);
+        buckets.resize_with(cap, Node::vacant);
+        self.buckets = buckets;
+        for node in old {
+            if !node.is_vacant() {
+                self.place(node);
+            }
+        }
+    }
+
+    /// Inserts a node known to be absent (during resize).
+    fn place(&mut self, mut cur: Node) {
+        let n = self.buckets.len();
+        let mut i = home(cur.key, n);
+        let mut d = 0;
+        loop {
+            if self.buckets[i].is_vacant() {
+                self.buckets[i] = cur;
+                return;
+            }
+            let di = self.dist(i);
+            if di < d {
+                std::mem::swap(&mut self.buckets[i], &mut cur);
+                d = di;
+            }
+            d += 1;
+            i += 1;
+            if i == n {
+                i = 0;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn matches_a_hashmap_through_growth_and_shrink() {
+        let mut t = NodeTable::default();
+        let mut m = HashMap::new();
+        let mut x = 12345u64;
+        for round in 0..20_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Keys with equal high bits, as within one shard; few distinct.
+            let key = (x % 3000) | (5 << 58);
+            if round % 3 == 2 {
+                t.update(key, |n| n.holders.clear(1, 1));
+                m.remove(&key);
+            } else {
+                let n = t.entry(key, key + 1, key + 2);
+                n.holders.set(1, 1);
+                m.insert(key, ());
+            }
+            assert_eq!(t.len(), m.len());
+        }
+        for k in 0..3000u64 {
+            let key = k | (5 << 58);
+            assert_eq!(t.get(key).is_some(), m.contains_key(&key), "{k}");
+            if let Some(n) = t.get(key) {
+                assert_eq!((n.local, n.parent), (key + 1, key + 2));
+            }
+        }
+        for k in 0..3000u64 {
+            let key = k | (5 << 58);
+            t.update(key, |n| n.holders.clear(1, 1));
+        }
+        assert_eq!((t.len(), t.capacity()), (0, 0));
+    }
+}

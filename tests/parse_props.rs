@@ -1,0 +1,171 @@
+//! Property tests: the AVX2 token loop equals the scalar loop exactly (values
+//! and errors), and both agree with serde_json (the oracle) on the class
+//! (ok / 400 / 422) and on the values, on random and adversarial bodies.
+
+use kvselect::parse::oracle::{differential_select, parse_debug, BodyKind};
+use kvselect::parse::{NumberPath, Parser};
+use proptest::prelude::*;
+
+fn parsers() -> (Parser, Parser) {
+    let p = Parser::default();
+    (
+        p.clone().with_number_path(NumberPath::Scalar),
+        p.with_number_path(NumberPath::Simd),
+    )
+}
+
+/// Both loops, then the oracle.
+fn check(body: &[u8]) {
+    let (scalar, simd) = parsers();
+    for kind in [
+        BodyKind::Select,
+        BodyKind::PromptQuery,
+        BodyKind::Reservation,
+    ] {
+        assert_eq!(
+            parse_debug(&scalar, kind, body),
+            parse_debug(&simd, kind, body),
+            "scalar != simd on {:?}",
+            String::from_utf8_lossy(body)
+        );
+    }
+    differential_select(body);
+}
+
+/// One array element: mostly valid ids of every length, sometimes a value
+/// the fast paths must refuse.
+fn element() -> impl Strategy<Value = String> {
+    prop_oneof![
+        8 => (0u32..151_936).prop_map(|v| v.to_string()),
+        3 => any::<u32>().prop_map(|v| v.to_string()),
+        1 => (0u32..10).prop_map(|v| v.to_string()),
+        1 => Just(u32::MAX.to_string()),
+        1 => Just("4294967296".to_string()),
+        1 => Just("99999999999".to_string()),
+        1 => Just("18446744073709551616".to_string()),
+        1 => (1u32..1000).prop_map(|v| format!("0{v}")),
+        1 => (0u32..1000).prop_map(|v| format!("-{v}")),
+        1 => Just("-0".to_string()),
+        1 => (0u32..100).prop_map(|v| format!("{v}.5")),
+        1 => (0u32..100).prop_map(|v| format!("{v}e2")),
+        1 => (0u32..100).prop_map(|v| format!("{v}E-1")),
+        1 => Just("1.".to_string()),
+        1 => Just("true".to_string()),
+        1 => Just("null".to_string()),
+        1 => Just("\"7\"".to_string()),
+        1 => Just("[1]".to_string()),
+        1 => Just("".to_string()),
+        1 => Just("NaN".to_string()),
+    ]
+}
+
+fn separator() -> impl Strategy<Value = String> {
+    prop_oneof![
+        10 => Just(",".to_string()),
+        6 => Just(", ".to_string()),
+        1 => Just(" ,".to_string()),
+        1 => Just(",\n  ".to_string()),
+        1 => Just(",\t".to_string()),
+        1 => Just(",  ".to_string()),
+        1 => Just(",,".to_string()),
+        1 => Just(" ".to_string()),
+    ]
+}
+
+/// A /select-like body whose token array mixes the elements above.
+fn body() -> impl Strategy<Value = String> {
+    (
+        prop::collection::vec((element(), separator()), 0..300),
+        any::<bool>(),
+        prop_oneof![Just("]"), Just(" ]"), Just(",]"), Just("")],
+        any::<bool>(),
+    )
+        .prop_map(|(elems, first_key, close, hashes)| {
+            let mut s = String::from("{");
+            if first_key {
+                s.push_str("\"model_name\":\"m\",");
+            }
+            s.push_str("\"token_ids\":[");
+            for (i, (e, sep)) in elems.iter().enumerate() {
+                if i > 0 {
+                    s.push_str(sep);
+                }
+                s.push_str(e);
+            }
+            s.push_str(close);
+            if hashes {
+                s.push_str(",\"block_hashes\":[-1,9223372036854775807],\"isl_tokens\":3");
+            }
+            s.push('}');
+            s
+        })
+}
+
+/// A valid body of only well-formed ids (the fast path's home ground).
+fn valid_body() -> impl Strategy<Value = String> {
+    (
+        prop::collection::vec(any::<u32>().prop_map(|v| v >> (v % 32)), 0..400),
+        separator().prop_filter("valid", |s| s != ",," && s != " "),
+    )
+        .prop_map(|(ids, sep)| {
+            let items: Vec<String> = ids.iter().map(|v| v.to_string()).collect();
+            format!("{{\"token_ids\":[{}]}}", items.join(&sep))
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, .. ProptestConfig::default() })]
+
+    #[test]
+    fn random_token_bodies(b in body()) {
+        check(b.as_bytes());
+    }
+
+    #[test]
+    fn valid_bodies_parse_to_the_same_ids(b in valid_body()) {
+        let (scalar, simd) = parsers();
+        let want: serde_json::Value = serde_json::from_str(&b).unwrap();
+        let want: Vec<u32> = want["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        for p in [&scalar, &simd] {
+            let r = p.select(b.as_bytes(), kvselect::parse::SelectKind::Select).unwrap();
+            prop_assert_eq!(&r.prompt.token_ids.as_ref().unwrap()[..], &want[..]);
+        }
+        check(b.as_bytes());
+    }
+
+    /// Adversarial: one byte of a valid body replaced, inserted or deleted.
+    #[test]
+    fn mutated_bodies(b in valid_body(), pos in any::<prop::sample::Index>(), byte in any::<u8>(), op in 0u8..3) {
+        let mut v = b.into_bytes();
+        let i = pos.index(v.len() + 1);
+        match op {
+            0 if i < v.len() => v[i] = byte,
+            1 => v.insert(i, byte),
+            _ if i < v.len() => { v.remove(i); }
+            _ => v.push(byte),
+        }
+        check(&v);
+    }
+
+    /// Arbitrary bytes: no panic, and the oracle agrees.
+    #[test]
+    fn arbitrary_bytes(v in prop::collection::vec(any::<u8>(), 0..200)) {
+        check(&v);
+    }
+
+    /// Arbitrary JSON-ish text built from JSON tokens.
+    #[test]
+    fn token_soup(parts in prop::collection::vec(prop_oneof![
+        Just("{"), Just("}"), Just("["), Just("]"), Just(","), Just(":"), Just(" "),
+        Just("\"token_ids\""), Just("\"model_name\""), Just("\"is_eagle\""), Just("\"pinned_worker\""),
+        Just("\"worker_id\""), Just("\"dp_rank\""), Just("\"x\""), Just("\"\\u00e9\""), Just("\"\\ud800\""),
+        Just("1"), Just("-1"), Just("0"), Just("01"), Just("1.5"), Just("true"), Just("null"), Just("\"a\""),
+    ], 0..40)) {
+        check(parts.concat().as_bytes());
+    }
+}
