@@ -221,15 +221,16 @@ impl App {
             let lora = p.lora_name.as_deref();
             let salt = p.cache_salt.as_deref();
             let mut local = self.parser.hashes.take();
-            hash::local_block_hashes(
+            hash::local_and_sequence_hashes(
                 tokens,
                 bs,
                 eagle,
                 hash::salt_seed(lora, salt),
+                PUBLIC_SEED,
                 mm,
                 &mut local,
+                &mut seq_keys,
             );
-            hash::sequence_hashes(&local, PUBLIC_SEED, &mut seq_keys);
             if !cfg.assume_kv_reuse {
                 random_identities(local.len(), &mut identities);
             } else if let Some(key) = &self.config.tracking_key {
@@ -242,8 +243,16 @@ impl App {
                     is_eagle: eagle,
                 });
                 local.clear();
-                hash::local_block_hashes(tokens, bs, eagle, block_seed, mm, &mut local);
-                hash::sequence_hashes(&local, chain_seed, &mut identities);
+                hash::local_and_sequence_hashes(
+                    tokens,
+                    bs,
+                    eagle,
+                    block_seed,
+                    chain_seed,
+                    mm,
+                    &mut local,
+                    &mut identities,
+                );
             } else {
                 identities.extend_from_slice(&seq_keys);
             }

@@ -375,3 +375,64 @@ async fn assume_kv_reuse_override_books_random_identities() {
         (Some(0), Some(4))
     );
 }
+
+/// §5.5: keyed-xxh3-v1 changes only the booked identities.
+#[tokio::test]
+async fn keyed_tracking_vector() {
+    let s = start_with(kvselect::config::Config {
+        tracking_key: Some(kvselect::hash::TrackingKey {
+            key: [0x5a; 32],
+            key_id: "2026-01".into(),
+        }),
+        ..test_config()
+    })
+    .await;
+    let r = s
+        .post(
+            "/workers",
+            &json!({"worker_id": 1, "model_name": "model-a", "routing_group": "tenant-a",
+                    "endpoint": "http://w1", "block_size": 4,
+                    "kv_events_endpoints": {"0": unused_endpoint()}}),
+        )
+        .await;
+    assert_eq!(r.json()["lifecycle"], "schedulable");
+    let body = |extra: Value| {
+        let mut b = json!({"model_name": "model-a", "routing_group": "tenant-a", "token_ids": tokens(0, 11)});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let r = s
+        .post(
+            "/select_and_reserve",
+            &body(json!({"cache_salt": "cache-a", "lora_name": "adapter-a"})),
+        )
+        .await;
+    assert_eq!(
+        seqs(&r.json()),
+        vec![
+            4363769719052127296,
+            -3448220111546932189,
+            -4525829865824556860
+        ]
+    );
+    let r = s.post("/select_and_reserve", &body(json!({}))).await;
+    assert_eq!(
+        seqs(&r.json()),
+        vec![
+            9128120665308694112,
+            3464444111544908762,
+            -3717274867117557559
+        ]
+    );
+    // Precomputed sequence hashes pass through untouched.
+    let r = s
+        .post(
+            "/select_and_reserve",
+            &json!({"model_name": "model-a", "routing_group": "tenant-a",
+                    "block_hashes": [1], "sequence_hashes": [-5], "isl_tokens": 4}),
+        )
+        .await;
+    assert_eq!(seqs(&r.json()), vec![-5]);
+}
