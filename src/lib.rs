@@ -13,6 +13,7 @@
 //! | `ingest` | ZMQ subscribers, msgpack event decoding, gap replay | decide routing |
 //! | `reserve` | bookings, active load, pending-selection cache | pick workers |
 
+pub mod harness;
 pub mod hash;
 pub mod index;
 pub mod ingest;
