@@ -57,9 +57,14 @@ pub struct LoadArgs {
     /// Upper bound on turns (all sessions).
     #[arg(long, default_value_t = 10_000_000)]
     pub max_requests: u64,
-    /// Pause between a session's turns, ms.
-    #[arg(long, default_value_t = 0)]
-    pub think_ms: u64,
+    /// Pause between a session's turns, ms (default: 0 for `small`, 20 s
+    /// for `full`).
+    #[arg(long)]
+    pub think_ms: Option<u64>,
+    /// Turns in progress at once (default: all sessions for `small`, 256
+    /// for `full`).
+    #[arg(long)]
+    pub max_inflight: Option<usize>,
     /// KV cache capacity of each mock worker, in blocks.
     #[arg(long)]
     pub capacity_blocks: Option<usize>,
@@ -88,10 +93,11 @@ pub struct Workload {
 impl LoadArgs {
     /// Resolves the profile and the overrides into a workload against `addr`.
     pub fn workload(&self, addr: &str) -> Result<Workload, String> {
-        // (workers, sessions, warmup, duration, capacity blocks)
-        let (w, s, warm, dur, cap) = match self.profile.as_str() {
-            "small" => (64, 64, 10.0, 40.0, 32_768),
-            "full" => (1024, 8192, 20.0, 60.0, 32_768),
+        // (workers, sessions, warmup, duration, capacity blocks, think ms,
+        // max in flight)
+        let (w, s, warm, dur, cap, think, infl) = match self.profile.as_str() {
+            "small" => (64, 64, 10.0, 40.0, 32_768, 0, usize::MAX),
+            "full" => (1024, 8192, 20.0, 60.0, 32_768, 20_000, 256),
             p => return Err(format!("unknown profile {p:?} (small | full)")),
         };
         let workers = self.workers.unwrap_or(w);
@@ -117,7 +123,8 @@ impl LoadArgs {
             warmup: secs(self.warmup_s.unwrap_or(warm)),
             duration: secs(self.duration_s.unwrap_or(dur)),
             max_requests: self.max_requests,
-            think: Duration::from_millis(self.think_ms),
+            think: Duration::from_millis(self.think_ms.unwrap_or(think)),
+            max_inflight: self.max_inflight.unwrap_or(infl).min(sessions).max(1),
             ..LoadConfig::default()
         };
         let settle = secs(self.settle_s.unwrap_or(1.0 + workers as f64 / 256.0));

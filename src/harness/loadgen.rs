@@ -77,6 +77,9 @@ pub struct LoadConfig {
     pub seed: u64,
     /// Per-session prompt JSON is cached while the total stays under this.
     pub json_cache_bytes: usize,
+    /// Turns in progress at once (each holds its prompt buffers, ~1 MB at
+    /// 99k tokens); sessions beyond it wait for a slot before selecting.
+    pub max_inflight: usize,
 }
 
 impl Default for LoadConfig {
@@ -97,6 +100,7 @@ impl Default for LoadConfig {
             server_pid: None,
             seed: 7,
             json_cache_bytes: 1 << 30,
+            max_inflight: 256,
         }
     }
 }
@@ -123,6 +127,9 @@ pub struct Report {
     pub server_cores_used: Option<f64>,
     pub harness_cpu_s: f64,
     pub harness_cores_used: f64,
+    /// Cores busy machine-wide minus server and harness: other processes
+    /// competing for the same cores during the window.
+    pub other_cores_used: Option<f64>,
     /// Share of prompt blocks the chosen mock worker already had cached.
     pub kv_hit_ratio: f64,
     pub first_error: Option<String>,
@@ -255,6 +262,7 @@ struct Shared {
     measure_start: Instant,
     end: Instant,
     started: AtomicU64,
+    inflight: tokio::sync::Semaphore,
     cache_json: bool,
     min_len: usize,
     max_len: usize,
@@ -317,9 +325,6 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
     let mut gen: u64 = 0;
     let mut len = start_len;
     let mut turn: u64 = 0;
-    let mut tokens: Vec<u32> = Vec::new();
-    let mut body: Vec<u8> = Vec::new();
-    let mut resp: Vec<u8> = Vec::new();
     // Cached JSON of the session's own tokens (no trailing comma trimming:
     // every token is followed by ',').
     let mut hist_json: Vec<u8> = Vec::new();
@@ -330,13 +335,22 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
         if now >= sh.end || sh.started.fetch_add(1, Ordering::Relaxed) >= cfg.max_requests {
             break;
         }
+        let Ok(_permit) = sh.inflight.acquire().await else {
+            break;
+        };
+        if Instant::now() >= sh.end {
+            break;
+        }
+        // Buffers live for one turn only, so memory follows the turns in
+        // flight rather than the number of sessions.
+        let mut tokens: Vec<u32> = Vec::with_capacity(len);
+        let mut body: Vec<u8> = Vec::with_capacity(len * 7 + 64);
+        let mut resp: Vec<u8> = Vec::new();
         let stream = splitmix(cfg.seed ^ splitmix(sid << 24 | gen));
         // Prompt tokens: shared prefix then the session's history.
-        tokens.clear();
         tokens.extend((0..prefix.min(len)).map(|p| token(sh.prefix_stream, p)));
         tokens.extend((prefix..len).map(|p| token(stream, p)));
         let sel_id = format!("s{sid}g{gen}t{turn}");
-        body.clear();
         body.extend_from_slice(b"{\"token_ids\":[");
         body.extend_from_slice(
             &sh.prefix_json[..sh.prefix_json.len().min(json_prefix_bytes(&sh, len))],
@@ -430,6 +444,7 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
             // Back off a little so a failing server is not spun on.
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        drop((tokens, body, resp, _permit));
         turn += 1;
         len += cfg.turn_growth;
         if len > sh.max_len {
@@ -500,6 +515,7 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
         measure_start,
         end,
         started: AtomicU64::new(0),
+        inflight: tokio::sync::Semaphore::new(cfg.max_inflight.max(1)),
         cache_json,
         min_len,
         max_len,
@@ -524,6 +540,7 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
     .await;
     let srv0 = cfg.server_pid.and_then(|p| procstat::cpu_seconds(p, ticks));
     let me0 = procstat::cpu_seconds(me, ticks).unwrap_or(0.0);
+    let all0 = procstat::machine_busy_seconds(ticks);
     let w0 = Instant::now();
     let _ = tokio::time::timeout_at(end.into(), async {
         while let Some(r) = set.join_next().await {
@@ -535,6 +552,7 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
     .await;
     let srv1 = cfg.server_pid.and_then(|p| procstat::cpu_seconds(p, ticks));
     let me1 = procstat::cpu_seconds(me, ticks).unwrap_or(0.0);
+    let all1 = procstat::machine_busy_seconds(ticks);
     let window = w0.elapsed().as_secs_f64().max(1e-9);
     while let Some(r) = set.join_next().await {
         if let Ok(s) = r {
@@ -582,6 +600,10 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
     }
     rep.harness_cpu_s = me1 - me0;
     rep.harness_cores_used = rep.harness_cpu_s / window;
+    if let (Some(a), Some(b)) = (all0, all1) {
+        let others = (b - a) - rep.harness_cpu_s - rep.server_cpu_s.unwrap_or(0.0);
+        rep.other_cores_used = Some((others / window).max(0.0));
+    }
     rep
 }
 
@@ -603,6 +625,7 @@ pub fn rows(r: &Report) -> Vec<(&'static str, String)> {
         ("select p99 ms", format!("{:.2}", r.select_p99_ms)),
         ("select p999 ms", format!("{:.2}", r.select_p999_ms)),
         ("harness cores used", format!("{:.2}", r.harness_cores_used)),
+        ("other processes, cores", opt(r.other_cores_used, 2)),
         ("mean ISL (tokens)", format!("{:.0}", r.mean_isl_observed)),
         ("KV hit ratio", format!("{:.3}", r.kv_hit_ratio)),
     ]
