@@ -17,6 +17,9 @@ use tokio::net::TcpStream;
 /// prompt is about 250 KB).
 const MAX_RESPONSE: usize = 64 << 20;
 
+/// Longest wait for a TCP connect.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// One keep-alive connection.
 pub struct HttpConn {
     stream: TcpStream,
@@ -43,9 +46,13 @@ fn parse_usize_hex(s: &[u8]) -> Option<usize> {
 }
 
 impl HttpConn {
-    /// Connects to `addr` (`host:port`) with `TCP_NODELAY`.
+    /// Connects to `addr` (`host:port`) with `TCP_NODELAY`, giving up after
+    /// [`CONNECT_TIMEOUT`] (a server out of file descriptors leaves the SYN
+    /// unanswered for minutes).
     pub async fn connect(addr: &str) -> io::Result<Self> {
-        let stream = TcpStream::connect(addr).await?;
+        let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
         stream.set_nodelay(true)?;
         Ok(Self {
             stream,

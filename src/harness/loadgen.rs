@@ -383,16 +383,19 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
         let r = call(&sh, "POST", route, Some(&body), 200, Some(&mut resp)).await;
         let t1 = Instant::now();
         let in_window = t0 >= sh.measure_start && t1 <= sh.end;
+        // A turn that started in the window counts its failures even when
+        // they surface after it (a timeout outlives the window).
+        let err_window = t0 >= sh.measure_start;
         let ok = match r {
             Ok(()) => match scan_u64(&resp, "worker_id") {
                 Some(w) => Some(w),
                 None => {
-                    st.error(in_window, format!("{route}: no worker_id in response"));
+                    st.error(err_window, format!("{route}: no worker_id in response"));
                     None
                 }
             },
             Err(e) => {
-                st.error(in_window, e);
+                st.error(err_window, e);
                 None
             }
         };
@@ -412,7 +415,7 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
                     }
                 }
                 Err(e) => {
-                    st.error(in_window, format!("serve: {e}"));
+                    st.error(err_window, format!("serve: {e}"));
                     failed = true;
                 }
             }
@@ -421,7 +424,7 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
                 if let Err(e) =
                     call(&sh, "POST", "/reservations", Some(rb.as_bytes()), 201, None).await
                 {
-                    st.error(in_window, e);
+                    st.error(err_window, e);
                     failed = true;
                 }
             }
@@ -435,7 +438,7 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
                 steps.push(("DELETE", base.clone(), None));
                 for (m, p, b) in steps {
                     if let Err(e) = call(&sh, m, &p, b, 200, None).await {
-                        st.error(in_window, e);
+                        st.error(err_window, e);
                         break;
                     }
                 }
