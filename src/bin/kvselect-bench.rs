@@ -65,6 +65,23 @@ fn main() {
             std::process::exit(1);
         }
     };
+    let mut load = cli.load.clone();
+    if cli.servers.iter().any(|s| s == "reference") {
+        // The reference needs ~22 fds per worker; past the limit it stops
+        // accepting connections. Both servers get the same clamped fleet.
+        if let (Some(limit), Ok(wl)) = (bench::open_files_limit(), load.workload("127.0.0.1:1")) {
+            let max = bench::reference_max_workers(limit, wl.load.max_inflight);
+            if wl.mocker.workers > max {
+                eprintln!(
+                    "note: open-files limit {limit} lets the reference hold at most {max} workers \
+                     ({} fds each); running {max} workers for every server instead of {}",
+                    bench::REFERENCE_FDS_PER_WORKER,
+                    wl.mocker.workers
+                );
+                load.workers = Some(max);
+            }
+        }
+    }
     let mut reports: Vec<Report> = Vec::new();
     for name in &cli.servers {
         let port = match bench::free_port() {
@@ -110,7 +127,7 @@ fn main() {
             }
         };
         let addr = format!("127.0.0.1:{port}");
-        let wl = match cli.load.workload(&addr) {
+        let wl = match load.workload(&addr) {
             Ok(w) => w,
             Err(e) => {
                 eprintln!("{e}");

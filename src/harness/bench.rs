@@ -136,6 +136,23 @@ impl LoadArgs {
     }
 }
 
+/// File descriptors the reference holds per registered worker (measured on
+/// 1.6.1: 64 workers took 1,408 more fds).
+pub const REFERENCE_FDS_PER_WORKER: usize = 22;
+
+/// Soft limit on open files of this process (inherited by the servers).
+pub fn open_files_limit() -> Option<usize> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
+/// Most workers the reference can hold under `fd_limit` while `conns`
+/// client connections are open.
+pub fn reference_max_workers(fd_limit: usize, conns: usize) -> usize {
+    fd_limit.saturating_sub(conns + 512) / REFERENCE_FDS_PER_WORKER
+}
+
 /// Pins every thread of this process to `cores` (a taskset list).
 pub fn pin_self(cores: &str) -> Result<(), String> {
     let st = Command::new("taskset")
@@ -301,4 +318,34 @@ pub async fn run_against(
     let mut cfg = wl.load.clone();
     cfg.server_pid = server_pid;
     Ok(loadgen::run(cfg, mocker, name).await)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reference_fleet_fits_the_fd_limit() {
+        assert_eq!(reference_max_workers(20_000, 256), 874);
+        assert_eq!(reference_max_workers(100, 256), 0);
+        assert!(open_files_limit().is_some());
+    }
+
+    #[test]
+    fn profiles_resolve_and_reject_unknown_names() {
+        // LoadArgs is an Args group; parse it through a wrapper.
+        #[derive(clap::Parser)]
+        struct W {
+            #[command(flatten)]
+            l: LoadArgs,
+        }
+        let w = <W as clap::Parser>::parse_from(["x", "--profile", "full", "--sessions", "10"]);
+        let wl = w.l.workload("127.0.0.1:1").unwrap();
+        assert_eq!(wl.mocker.workers, 1024);
+        assert_eq!(wl.load.sessions, 10);
+        assert_eq!(wl.load.max_inflight, 10);
+        assert_eq!(wl.load.think, Duration::from_secs(20));
+        let w = <W as clap::Parser>::parse_from(["x", "--profile", "huge"]);
+        assert!(w.l.workload("127.0.0.1:1").is_err());
+    }
 }
