@@ -77,6 +77,10 @@ pub struct LoadArgs {
     /// Cores for the harness process (taskset list, e.g. `1`).
     #[arg(long)]
     pub client_cores: Option<String>,
+    /// Memory budget for per-session cached prompts, MiB (0 = regenerate
+    /// every prompt each turn).
+    #[arg(long, default_value_t = 1024)]
+    pub json_cache_mb: usize,
     /// Seconds to wait after registration for the selector's subscribers.
     #[arg(long)]
     pub settle_s: Option<f64>,
@@ -124,6 +128,7 @@ impl LoadArgs {
             duration: secs(self.duration_s.unwrap_or(dur)),
             max_requests: self.max_requests,
             think: Duration::from_millis(self.think_ms.unwrap_or(think)),
+            json_cache_bytes: self.json_cache_mb << 20,
             max_inflight: self.max_inflight.unwrap_or(infl).min(sessions).max(1),
             ..LoadConfig::default()
         };

@@ -79,7 +79,23 @@ impl HttpConn {
         json_body: Option<&[u8]>,
         timeout: Duration,
     ) -> io::Result<u16> {
-        match tokio::time::timeout(timeout, self.request_inner(method, path, json_body)).await {
+        match json_body {
+            Some(b) => self.request_parts(method, path, Some(&[b]), timeout).await,
+            None => self.request_parts(method, path, None, timeout).await,
+        }
+    }
+
+    /// As [`HttpConn::request`], with the JSON body given as consecutive
+    /// parts, written as they are (a 99k-token prompt is ~700 KB; assembling
+    /// it first would copy it once more per request).
+    pub async fn request_parts(
+        &mut self,
+        method: &str,
+        path: &str,
+        json_parts: Option<&[&[u8]]>,
+        timeout: Duration,
+    ) -> io::Result<u16> {
+        match tokio::time::timeout(timeout, self.request_inner(method, path, json_parts)).await {
             Ok(r) => {
                 if r.is_err() {
                     self.closed = true;
@@ -102,7 +118,7 @@ impl HttpConn {
         &mut self,
         method: &str,
         path: &str,
-        json_body: Option<&[u8]>,
+        json_parts: Option<&[&[u8]]>,
     ) -> io::Result<u16> {
         if self.closed {
             return Err(bad("connection closed"));
@@ -113,27 +129,32 @@ impl HttpConn {
         self.head.extend_from_slice(path.as_bytes());
         self.head.extend_from_slice(b" HTTP/1.1\r\nHost: ");
         self.head.extend_from_slice(self.host.as_bytes());
-        match json_body {
-            Some(b) => {
+        match json_parts {
+            Some(parts) => {
+                let len: usize = parts.iter().map(|p| p.len()).sum();
                 self.head
                     .extend_from_slice(b"\r\nContent-Type: application/json\r\nContent-Length: ");
                 self.head
-                    .extend_from_slice(itoa::Buffer::new().format(b.len()).as_bytes());
+                    .extend_from_slice(itoa::Buffer::new().format(len).as_bytes());
+                self.head.extend_from_slice(b"\r\n\r\n");
+                if len <= 4096 {
+                    // Small bodies go out in the same segment as the head.
+                    for p in parts {
+                        self.head.extend_from_slice(p);
+                    }
+                    self.stream.write_all(&self.head).await?;
+                } else {
+                    self.stream.write_all(&self.head).await?;
+                    for p in parts {
+                        self.stream.write_all(p).await?;
+                    }
+                }
             }
-            None => self.head.extend_from_slice(b"\r\nContent-Length: 0"),
-        }
-        self.head.extend_from_slice(b"\r\n\r\n");
-        match json_body {
-            // Small bodies go out in the same segment as the head.
-            Some(b) if b.len() <= 4096 => {
-                self.head.extend_from_slice(b);
+            None => {
+                self.head
+                    .extend_from_slice(b"\r\nContent-Length: 0\r\n\r\n");
                 self.stream.write_all(&self.head).await?;
             }
-            Some(b) => {
-                self.stream.write_all(&self.head).await?;
-                self.stream.write_all(b).await?;
-            }
-            None => self.stream.write_all(&self.head).await?,
         }
         self.read_response().await
     }
@@ -228,7 +249,9 @@ pub fn scan_u64(body: &[u8], key: &str) -> Option<u64> {
     pat.push(b'"');
     pat.extend_from_slice(key.as_bytes());
     pat.extend_from_slice(b"\":");
-    let at = find(body, &pat)? + pat.len();
+    // The last occurrence: in a `/select_and_reserve` answer the key sits
+    // behind thousands of sequence hashes, near the end.
+    let at = body.windows(pat.len()).rposition(|w| w == pat.as_slice())? + pat.len();
     let digits: &[u8] = &body[at..];
     let digits = &digits[..digits
         .iter()

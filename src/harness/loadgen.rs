@@ -290,24 +290,30 @@ impl SessionStats {
     }
 }
 
-/// One call on a pooled connection; `Err` text names the call.
+/// One call on a pooled connection; `Err` text names the call. Returns the
+/// response's `worker_id` when `want_worker` (an error if it is missing).
 async fn call(
     sh: &Shared,
     method: &str,
     path: &str,
-    body: Option<&[u8]>,
+    body: Option<&[&[u8]]>,
     want: u16,
-    out: Option<&mut Vec<u8>>,
-) -> Result<(), String> {
+    want_worker: bool,
+) -> Result<Option<u64>, String> {
     let mut c = sh.pool.get().await.map_err(|e| format!("connect: {e}"))?;
-    let r = c.request(method, path, body, sh.cfg.request_timeout).await;
+    let r = c
+        .request_parts(method, path, body, sh.cfg.request_timeout)
+        .await;
     let res = match r {
         Ok(s) if s == want => {
-            if let Some(out) = out {
-                out.clear();
-                out.extend_from_slice(c.body());
+            if want_worker {
+                match scan_u64(c.body(), "worker_id") {
+                    Some(w) => Ok(Some(w)),
+                    None => Err(format!("{method} {path}: no worker_id in response")),
+                }
+            } else {
+                Ok(None)
             }
-            Ok(())
         }
         Ok(s) => Err(format!(
             "{method} {path} -> {s}: {}",
@@ -319,17 +325,21 @@ async fn call(
     res
 }
 
+/// One lifecycle call of a turn: method, path, JSON body parts.
+type Step<'a> = (&'a str, String, Option<&'a [&'a [u8]]>);
+
 async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStats {
     let cfg = &sh.cfg;
     let mut st = SessionStats::default();
     let mut gen: u64 = 0;
     let mut len = start_len;
     let mut turn: u64 = 0;
-    // Cached JSON of the session's own tokens (no trailing comma trimming:
-    // every token is followed by ',').
-    let mut hist_json: Vec<u8> = Vec::new();
-    let mut hist_json_len = 0usize; // tokens covered by hist_json
     let prefix = cfg.prefix_tokens;
+    // With the cache on, the session keeps its prompt tokens and the JSON of
+    // its history (every token followed by ',') and only appends each turn.
+    let mut cached_tokens: Vec<u32> = Vec::new();
+    let mut hist_json: Vec<u8> = Vec::new();
+    let mut hist_json_len = prefix; // history tokens covered by hist_json
     loop {
         let now = Instant::now();
         if now >= sh.end || sh.started.fetch_add(1, Ordering::Relaxed) >= cfg.max_requests {
@@ -341,65 +351,63 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
         if Instant::now() >= sh.end {
             break;
         }
-        // Buffers live for one turn only, so memory follows the turns in
-        // flight rather than the number of sessions.
-        let mut tokens: Vec<u32> = Vec::with_capacity(len);
-        let mut body: Vec<u8> = Vec::with_capacity(len * 7 + 64);
-        let mut resp: Vec<u8> = Vec::new();
         let stream = splitmix(cfg.seed ^ splitmix(sid << 24 | gen));
-        // Prompt tokens: shared prefix then the session's history.
-        tokens.extend((0..prefix.min(len)).map(|p| token(sh.prefix_stream, p)));
-        tokens.extend((prefix..len).map(|p| token(stream, p)));
-        let sel_id = format!("s{sid}g{gen}t{turn}");
-        body.extend_from_slice(b"{\"token_ids\":[");
-        body.extend_from_slice(
-            &sh.prefix_json[..sh.prefix_json.len().min(json_prefix_bytes(&sh, len))],
-        );
+        // Without the cache, buffers live for one turn only, so memory
+        // follows the turns in flight rather than the number of sessions.
+        let mut turn_tokens: Vec<u32> = Vec::new();
+        let tokens: &mut Vec<u32> = if sh.cache_json {
+            &mut cached_tokens
+        } else {
+            &mut turn_tokens
+        };
+        if tokens.len() > len {
+            tokens.clear();
+        }
+        if tokens.len() < prefix.min(len) {
+            tokens.clear();
+            tokens.extend((0..prefix.min(len)).map(|p| token(sh.prefix_stream, p)));
+        }
+        let from = tokens.len();
+        tokens.extend((from..len).map(|p| token(stream, p)));
+        if !sh.cache_json || hist_json_len > len {
+            hist_json.clear();
+            hist_json_len = prefix;
+        }
         if len > prefix {
-            if sh.cache_json {
-                if hist_json_len > len {
-                    hist_json.clear();
-                    hist_json_len = prefix;
-                }
-                push_json_tokens(&mut hist_json, stream, hist_json_len.max(prefix), len);
-                hist_json_len = len;
-                body.extend_from_slice(&hist_json);
-            } else {
-                push_json_tokens(&mut body, stream, prefix, len);
-            }
+            push_json_tokens(&mut hist_json, stream, hist_json_len, len);
+            hist_json_len = len;
         }
-        if body.last() == Some(&b',') {
-            body.pop();
-        }
-        body.extend_from_slice(b"],\"selection_id\":\"");
-        body.extend_from_slice(sel_id.as_bytes());
-        body.extend_from_slice(b"\"}");
+        let sel_id = format!("s{sid}g{gen}t{turn}");
+        let tail = format!("],\"selection_id\":\"{sel_id}\"}}");
+        // Body = head, prefix JSON, history JSON, tail; the last token's
+        // trailing comma is cut.
+        let pre = &sh.prefix_json[..json_prefix_bytes(&sh, len)];
+        let (pre, hist) = if hist_json.is_empty() {
+            (&pre[..pre.len().saturating_sub(1)], &hist_json[..])
+        } else {
+            (pre, &hist_json[..hist_json.len() - 1])
+        };
+        let parts: [&[u8]; 4] = [b"{\"token_ids\":[", pre, hist, tail.as_bytes()];
 
         let route = match cfg.flow {
             Flow::Reserve => "/select_and_reserve",
             Flow::Ray => "/select",
         };
         let t0 = Instant::now();
-        let r = call(&sh, "POST", route, Some(&body), 200, Some(&mut resp)).await;
+        let r = call(&sh, "POST", route, Some(&parts), 200, true).await;
         let t1 = Instant::now();
         let in_window = t0 >= sh.measure_start && t1 <= sh.end;
         // A turn that started in the window counts its failures even when
         // they surface after it (a timeout outlives the window).
         let err_window = t0 >= sh.measure_start;
-        let ok = match r {
-            Ok(()) => match scan_u64(&resp, "worker_id") {
-                Some(w) => Some(w),
-                None => {
-                    st.error(err_window, format!("{route}: no worker_id in response"));
-                    None
-                }
-            },
+        let worker = match r {
+            Ok(w) => w,
             Err(e) => {
                 st.error(err_window, e);
                 None
             }
         };
-        if let Some(worker) = ok {
+        if let Some(worker) = worker {
             if in_window {
                 st.lat_us
                     .push((t1 - t0).as_micros().min(u32::MAX as u128) as u32);
@@ -407,7 +415,7 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
                 st.isl_sum += len as u64;
             }
             let mut failed = false;
-            match sh.mocker.serve(worker, &tokens) {
+            match sh.mocker.serve(worker, tokens) {
                 Ok(o) => {
                     if in_window {
                         st.hit_blocks += o.hit_blocks as u64;
@@ -421,23 +429,23 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
             }
             if cfg.flow == Flow::Ray && !failed {
                 let rb = format!("{{\"selection_id\":\"{sel_id}\"}}");
-                if let Err(e) =
-                    call(&sh, "POST", "/reservations", Some(rb.as_bytes()), 201, None).await
-                {
+                let rb: [&[u8]; 1] = [rb.as_bytes()];
+                if let Err(e) = call(&sh, "POST", "/reservations", Some(&rb), 201, false).await {
                     st.error(err_window, e);
                     failed = true;
                 }
             }
             if !failed {
                 let base = format!("/reservations/{sel_id}");
-                let mut steps: Vec<(&str, String, Option<&[u8]>)> =
+                let empty: [&[u8]; 1] = [b"{}"];
+                let mut steps: Vec<Step<'_>> =
                     vec![("POST", format!("{base}/prefill_complete"), None)];
                 for _ in 0..cfg.output_blocks {
-                    steps.push(("POST", format!("{base}/output_block"), Some(b"{}")));
+                    steps.push(("POST", format!("{base}/output_block"), Some(&empty)));
                 }
                 steps.push(("DELETE", base.clone(), None));
                 for (m, p, b) in steps {
-                    if let Err(e) = call(&sh, m, &p, b, 200, None).await {
+                    if let Err(e) = call(&sh, m, &p, b, 200, false).await {
                         st.error(err_window, e);
                         break;
                     }
@@ -447,12 +455,16 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
             // Back off a little so a failing server is not spun on.
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        drop((tokens, body, resp, _permit));
+        drop((turn_tokens, _permit));
+        if !sh.cache_json {
+            hist_json = Vec::new();
+        }
         turn += 1;
         len += cfg.turn_growth;
         if len > sh.max_len {
             gen += 1;
             len = sh.min_len;
+            cached_tokens.clear();
             hist_json.clear();
             hist_json_len = prefix;
         }
