@@ -141,19 +141,16 @@ fn main() {
             cli.server_cores.as_deref().unwrap_or("any"),
             log.display()
         );
-        let server = match bench::spawn_server(name, &cmd, cli.server_cores.as_deref(), port, &log)
-        {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("skipping {name}: {e}");
-                continue;
-            }
-        };
-        if !rt.block_on(bench::wait_health(&addr, Duration::from_secs(60))) {
-            eprintln!(
-                "skipping {name}: no /health answer within 60 s (see {})",
-                log.display()
-            );
+        let mut server =
+            match bench::spawn_server(name, &cmd, cli.server_cores.as_deref(), port, &log) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("skipping {name}: {e}");
+                    continue;
+                }
+            };
+        if let Err(e) = rt.block_on(bench::wait_ready(&mut server, Duration::from_secs(60))) {
+            eprintln!("skipping {name}: {e} (see {})", log.display());
             server.stop(Duration::from_secs(5));
             continue;
         }

@@ -193,8 +193,12 @@ impl ServerProc {
     /// SIGINT (the reference shuts down gracefully only on it), then SIGKILL
     /// after `grace`.
     pub fn stop(mut self, grace: Duration) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
         let _ = Command::new("kill")
             .args(["-INT", &self.child.id().to_string()])
+            .stderr(Stdio::null())
             .status();
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline {
@@ -246,10 +250,29 @@ pub fn spawn_server(
     })
 }
 
+/// Polls `GET /health` until 200, failing early when the server process
+/// exits, or after `timeout`.
+pub async fn wait_ready(server: &mut ServerProc, timeout: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if let Ok(Some(st)) = server.child.try_wait() {
+            return Err(format!("{} exited before serving ({st})", server.name));
+        }
+        if wait_health(&server.addr, Duration::from_millis(300)).await {
+            return Ok(());
+        }
+    }
+    Err(format!(
+        "{} gave no /health answer within {} s",
+        server.name,
+        timeout.as_secs()
+    ))
+}
+
 /// Polls `GET /health` until 200 or `timeout`.
 pub async fn wait_health(addr: &str, timeout: Duration) -> bool {
     let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
+    loop {
         if let Ok(mut c) = HttpConn::connect(addr).await {
             if let Ok(200) = c
                 .request("GET", "/health", None, Duration::from_secs(2))
@@ -258,9 +281,11 @@ pub async fn wait_health(addr: &str, timeout: Duration) -> bool {
                 return true;
             }
         }
+        if Instant::now() >= deadline {
+            return false;
+        }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    false
 }
 
 fn venv_has_reference(python: &Path) -> bool {
