@@ -12,6 +12,11 @@
 //! | `index` | lock-sharded KV index per partition: stores, removals, overlap | do I/O |
 //! | `ingest` | ZMQ subscribers, msgpack event decoding, gap replay | decide routing |
 //! | `reserve` | bookings, active load, pending-selection cache | pick workers |
+//! | `select` | the cost model and the choice (pure) | lock or do I/O |
+//! | `catalog` | worker records, lifecycle, partitions, readiness; keeps ingest, index and load in step | parse JSON |
+//! | `app` | one method per route: view in, JSON out, errors as `AppError` | know HTTP |
+//! | `http` | accept loop, routing, 415/413, the one error -> status mapping | hold domain state |
+//! | `config`, `runtime`, `recovery` | CLI/env -> `Config`; pinned runtime; start-up /dump recovery | |
 
 pub mod harness;
 pub mod hash;
@@ -20,3 +25,11 @@ pub mod ingest;
 pub mod parse;
 pub mod pool;
 pub mod reserve;
+
+pub mod app;
+pub mod catalog;
+pub mod config;
+pub mod http;
+pub mod recovery;
+pub mod runtime;
+pub mod select;

@@ -1,7 +1,27 @@
 //! Request parsing: JSON bodies -> typed request views, without an
-//! intermediate value tree. (Contract only; the visitor lands with issue 2.)
+//! intermediate value tree.
+//!
+//! Owns: the byte cursor (`cursor`), one hand-written visitor per body of the
+//! API (`bodies`), the number-array loops (`numbers`, scalar) and their AVX2
+//! twin (`simd`, the only `unsafe`), and the 400/422/413 classification.
+//! Does not: know HTTP (the HTTP layer adds the axum-style message prefixes and
+//! picks the status from [`ErrorClass`]).
+//!
+//! Contract: invalid JSON anywhere in a body is [`ErrorClass::Syntax`], even
+//! when a shape error came first in reading order (the body is re-validated on
+//! the shape-error path); valid JSON of the wrong shape is
+//! [`ErrorClass::Shape`]; more than `limits.max_tokens` elements in one number
+//! array is [`ErrorClass::TooLarge`]. Trailing non-whitespace is a syntax
+//! error (the reference accepts it; we do not). Messages follow serde's texts.
 
+mod bodies;
+mod cursor;
+mod numbers;
+pub mod oracle;
 pub mod request;
+mod simd;
+
+pub use simd::avx2_available;
 
 pub use request::*;
 
@@ -70,10 +90,48 @@ impl Default for ParseLimits {
     }
 }
 
+/// Which loop converts token arrays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NumberPath {
+    /// AVX2 when the CPU has it, else scalar.
+    #[default]
+    Auto,
+    /// The plain byte loop only.
+    Scalar,
+    /// AVX2 runs (falls back to scalar on CPUs without AVX2).
+    Simd,
+}
+
 /// Parses request bodies into views; holds the limits and the buffer pools.
 #[derive(Debug, Clone, Default)]
 pub struct Parser {
     pub limits: ParseLimits,
     pub tokens: Pool<u32>,
     pub hashes: Pool<u64>,
+    /// Token-array loop; [`NumberPath::Auto`] unless a bench or test pins it.
+    pub number_path: NumberPath,
+}
+
+impl Parser {
+    pub fn new(limits: ParseLimits, tokens: Pool<u32>, hashes: Pool<u64>) -> Self {
+        Parser {
+            limits,
+            tokens,
+            hashes,
+            number_path: NumberPath::Auto,
+        }
+    }
+
+    /// The same parser with its token loop pinned (benches, property tests).
+    pub fn with_number_path(mut self, path: NumberPath) -> Self {
+        self.number_path = path;
+        self
+    }
+
+    fn use_simd(&self) -> bool {
+        match self.number_path {
+            NumberPath::Scalar => false,
+            NumberPath::Auto | NumberPath::Simd => avx2_available(),
+        }
+    }
 }

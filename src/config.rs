@@ -1,0 +1,442 @@
+//! Command line and environment -> a validated, plain [`Config`].
+//!
+//! Flag names follow the reference service where they overlap
+//! (`selection-api.md` §1.1); cost weights come from the environment (§1.2).
+//! Every default is a named constant.
+
+use crate::hash::TrackingKey;
+use clap::Parser as ClapParser;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+pub const DEFAULT_HOST: &str = "127.0.0.1";
+pub const DEFAULT_PORT: u16 = 8092;
+/// The reference's body limit: 8 MiB, inclusive.
+pub const DEFAULT_BODY_LIMIT_BYTES: usize = 8 * 1024 * 1024;
+pub const DEFAULT_SELECTION_CACHE_TTL_SECS: f64 = 120.0;
+pub const DEFAULT_SELECTION_CACHE_MAX_ENTRIES: usize = 4096;
+pub const DEFAULT_SELECTION_CACHE_MAX_BYTES: usize = 268_435_456;
+/// Stale bookings are force-expired after this age.
+pub const DEFAULT_BOOKING_EXPIRY_SECS: f64 = 300.0;
+pub const DEFAULT_INGEST_THREADS: usize = 2;
+/// Credit of a device (GPU) hit, per block.
+pub const DEFAULT_OVERLAP_SCORE_CREDIT: f64 = 1.0;
+pub const DEFAULT_HOST_CACHE_HIT_WEIGHT: f64 = 0.75;
+pub const DEFAULT_DISK_CACHE_HIT_WEIGHT: f64 = 0.25;
+pub const DEFAULT_PREFILL_LOAD_SCALE: f64 = 1.0;
+/// `worker_load.prefill_token_capacity` when a worker has no
+/// `max_num_batched_tokens`.
+pub const DEFAULT_PREFILL_TOKEN_CAPACITY: u64 = 10_000_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TrackingHash {
+    #[value(name = "public-xxh3-v1")]
+    Public,
+    #[value(name = "keyed-xxh3-v1")]
+    Keyed,
+}
+
+/// kvselect: a KV-cache-aware worker selector, compatible with Dynamo's
+/// standalone selection service API.
+#[derive(Debug, ClapParser)]
+#[command(name = "kvselect", version)]
+pub struct Cli {
+    /// Address to bind. The reference binds 0.0.0.0 without authentication;
+    /// kvselect binds loopback unless told otherwise.
+    #[arg(long, default_value = DEFAULT_HOST)]
+    pub host: IpAddr,
+    /// HTTP port (0 picks a free one).
+    #[arg(long, default_value_t = DEFAULT_PORT)]
+    pub port: u16,
+    /// Tokio worker threads serving HTTP (default: one per core in --cores,
+    /// else one per available core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Pin the runtime's worker threads to these cores, e.g. `0-15` or `2,3,8-11`.
+    #[arg(long)]
+    pub cores: Option<String>,
+    /// Threads polling the ZeroMQ KV-event subscriptions.
+    #[arg(long, default_value_t = DEFAULT_INGEST_THREADS)]
+    pub ingest_threads: usize,
+    /// Comma-separated `http://host:port` peers whose GET /dump is loaded into
+    /// the index at start-up.
+    #[arg(long, value_delimiter = ',')]
+    pub indexer_peers: Vec<String>,
+    /// Lifetime of an unclaimed pending selection, seconds.
+    #[arg(long, default_value_t = DEFAULT_SELECTION_CACHE_TTL_SECS)]
+    pub selection_cache_ttl_secs: f64,
+    /// Cap on pending selections (oldest evicted first).
+    #[arg(long, default_value_t = DEFAULT_SELECTION_CACHE_MAX_ENTRIES)]
+    pub selection_cache_max_entries: usize,
+    /// Approximate byte budget of pending selections.
+    #[arg(long, default_value_t = DEFAULT_SELECTION_CACHE_MAX_BYTES)]
+    pub selection_cache_max_bytes: usize,
+    /// Largest accepted request body, bytes (inclusive).
+    #[arg(long, default_value_t = DEFAULT_BODY_LIMIT_BYTES)]
+    pub body_limit_bytes: usize,
+    /// Largest token array accepted in one request.
+    #[arg(long, default_value_t = crate::parse::DEFAULT_MAX_TOKENS)]
+    pub max_tokens: usize,
+    /// Deepest JSON nesting accepted.
+    #[arg(long, default_value_t = crate::parse::DEFAULT_MAX_DEPTH)]
+    pub max_depth: usize,
+    /// Bookings older than this are force-expired, seconds
+    /// (env DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS).
+    #[arg(long, env = "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS", default_value_t = DEFAULT_BOOKING_EXPIRY_SECS)]
+    pub booking_expiry_secs: f64,
+    /// Book sequence hashes as block identities (shared prefixes share decode
+    /// blocks). `--no-router-assume-kv-reuse` books random identities.
+    #[arg(long, overrides_with = "no_router_assume_kv_reuse")]
+    pub router_assume_kv_reuse: bool,
+    #[arg(long)]
+    pub no_router_assume_kv_reuse: bool,
+    /// Tracking-hash algorithm for booking identities.
+    #[arg(long, value_enum, default_value = "public-xxh3-v1")]
+    pub router_tracking_hash: TrackingHash,
+    /// File holding exactly 32 raw key bytes (keyed-xxh3-v1).
+    #[arg(long)]
+    pub router_tracking_key_file: Option<std::path::PathBuf>,
+    /// Key id mixed into keyed tracking hashes.
+    #[arg(long)]
+    pub router_tracking_key_id: Option<String>,
+}
+
+/// The cost model's weights (§1.2, §7.3). Defaults from the environment; a
+/// request's `router_config_override` refines them per request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterConfig {
+    pub overlap_score_credit: f64,
+    pub overlap_score_credit_decay: f64,
+    pub prefill_load_scale: f64,
+    pub decode_active_request_weight: f64,
+    pub host_cache_hit_weight: f64,
+    pub disk_cache_hit_weight: f64,
+    pub router_temperature: f64,
+    pub track_prefill_tokens: bool,
+    pub track_output_blocks: bool,
+    pub assume_kv_reuse: bool,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            overlap_score_credit: DEFAULT_OVERLAP_SCORE_CREDIT,
+            overlap_score_credit_decay: 0.0,
+            prefill_load_scale: DEFAULT_PREFILL_LOAD_SCALE,
+            decode_active_request_weight: 0.0,
+            host_cache_hit_weight: DEFAULT_HOST_CACHE_HIT_WEIGHT,
+            disk_cache_hit_weight: DEFAULT_DISK_CACHE_HIT_WEIGHT,
+            router_temperature: 0.0,
+            track_prefill_tokens: true,
+            track_output_blocks: false,
+            assume_kv_reuse: true,
+        }
+    }
+}
+
+impl RouterConfig {
+    /// Reads the `DYN_*` variables through `get` (so tests need not touch the
+    /// process environment).
+    pub fn from_env_with(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
+        let mut c = RouterConfig::default();
+        let num = |name: &str| -> Result<Option<f64>, String> {
+            match get(name) {
+                None => Ok(None),
+                Some(v) => v
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite() && *x >= 0.0)
+                    .map(Some)
+                    .ok_or_else(|| {
+                        format!("{name} must be a finite, non-negative number, got `{v}`")
+                    }),
+            }
+        };
+        let flag = |name: &str| -> Result<Option<bool>, String> {
+            match get(name) {
+                None => Ok(None),
+                Some(v) => match v.trim().to_ascii_lowercase().as_str() {
+                    "1" | "true" | "yes" | "on" => Ok(Some(true)),
+                    "0" | "false" | "no" | "off" => Ok(Some(false)),
+                    _ => Err(format!("{name} must be a boolean, got `{v}`")),
+                },
+            }
+        };
+        // The deprecated weight applies first so the explicit variables win.
+        for name in [
+            "DYN_OVERLAP_SCORE_WEIGHT",
+            "DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT",
+        ] {
+            if let Some(w) = num(name)? {
+                c.prefill_load_scale = w;
+                if w == 0.0 {
+                    c.overlap_score_credit = 0.0;
+                }
+            }
+        }
+        if let Some(v) = num("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT")? {
+            c.overlap_score_credit = v;
+        }
+        if let Some(v) = num("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY")? {
+            c.overlap_score_credit_decay = v;
+        }
+        if let Some(v) = num("DYN_ROUTER_PREFILL_LOAD_SCALE")? {
+            c.prefill_load_scale = v;
+        }
+        if let Some(v) = num("DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT")? {
+            c.decode_active_request_weight = v;
+        }
+        if let Some(v) = num("DYN_ROUTER_TEMPERATURE")? {
+            c.router_temperature = v;
+        }
+        if let Some(v) = flag("DYN_ROUTER_TRACK_PREFILL_TOKENS")? {
+            c.track_prefill_tokens = v;
+        }
+        if let Some(v) = flag("DYN_ROUTER_TRACK_OUTPUT_BLOCKS")? {
+            c.track_output_blocks = v;
+        }
+        if let Some(v) = flag("DYN_ROUTER_ASSUME_KV_REUSE")? {
+            c.assume_kv_reuse = v;
+        }
+        Ok(c)
+    }
+}
+
+/// Everything the server needs, validated.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub addr: SocketAddr,
+    pub threads: usize,
+    pub cores: Option<Vec<usize>>,
+    pub ingest_threads: usize,
+    pub indexer_peers: Vec<String>,
+    pub selection_cache_ttl: Duration,
+    pub selection_cache_max_entries: usize,
+    pub selection_cache_max_bytes: usize,
+    pub body_limit_bytes: usize,
+    pub max_tokens: usize,
+    pub max_depth: usize,
+    pub booking_expiry: Duration,
+    pub router: RouterConfig,
+    /// `Some` in keyed-xxh3-v1 mode.
+    pub tracking_key: Option<TrackingKey>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            addr: SocketAddr::new(DEFAULT_HOST.parse().unwrap(), DEFAULT_PORT),
+            threads: 2,
+            cores: None,
+            ingest_threads: DEFAULT_INGEST_THREADS,
+            indexer_peers: Vec::new(),
+            selection_cache_ttl: Duration::from_secs_f64(DEFAULT_SELECTION_CACHE_TTL_SECS),
+            selection_cache_max_entries: DEFAULT_SELECTION_CACHE_MAX_ENTRIES,
+            selection_cache_max_bytes: DEFAULT_SELECTION_CACHE_MAX_BYTES,
+            body_limit_bytes: DEFAULT_BODY_LIMIT_BYTES,
+            max_tokens: crate::parse::DEFAULT_MAX_TOKENS,
+            max_depth: crate::parse::DEFAULT_MAX_DEPTH,
+            booking_expiry: Duration::from_secs_f64(DEFAULT_BOOKING_EXPIRY_SECS),
+            router: RouterConfig::default(),
+            tracking_key: None,
+        }
+    }
+}
+
+/// Parses `0-3,8,10-11` into core ids.
+pub fn parse_cores(s: &str) -> Result<Vec<usize>, String> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let bad = || format!("invalid core list `{s}`: expected e.g. `0-15` or `2,3,8-11`");
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let a: usize = a.trim().parse().map_err(|_| bad())?;
+                let b: usize = b.trim().parse().map_err(|_| bad())?;
+                if a > b || b - a > 4096 {
+                    return Err(bad());
+                }
+                out.extend(a..=b);
+            }
+            None => out.push(part.parse().map_err(|_| bad())?),
+        }
+    }
+    if out.is_empty() {
+        return Err(format!("invalid core list `{s}`: no cores"));
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
+}
+
+fn secs(name: &str, v: f64) -> Result<Duration, String> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(Duration::from_secs_f64(v))
+    } else {
+        Err(format!(
+            "--{name} must be a finite, non-negative number of seconds"
+        ))
+    }
+}
+
+impl Config {
+    /// Validates the command line against the process environment.
+    pub fn from_cli(cli: Cli) -> Result<Config, String> {
+        Config::from_cli_with_env(cli, |k| std::env::var(k).ok())
+    }
+
+    pub fn from_cli_with_env(
+        cli: Cli,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Config, String> {
+        let mut router = RouterConfig::from_env_with(&env)?;
+        if cli.no_router_assume_kv_reuse {
+            router.assume_kv_reuse = false;
+        } else if cli.router_assume_kv_reuse {
+            router.assume_kv_reuse = true;
+        }
+        let cores = cli.cores.as_deref().map(parse_cores).transpose()?;
+        let available = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = cli
+            .threads
+            .unwrap_or_else(|| cores.as_ref().map_or(available, Vec::len));
+        if threads == 0 {
+            return Err("--threads must be at least 1".into());
+        }
+        if cli.ingest_threads == 0 {
+            return Err("--ingest-threads must be at least 1".into());
+        }
+        if cli.body_limit_bytes == 0 {
+            return Err("--body-limit-bytes must be at least 1".into());
+        }
+        let tracking_key = match cli.router_tracking_hash {
+            TrackingHash::Public => {
+                if cli.router_tracking_key_file.is_some() || cli.router_tracking_key_id.is_some() {
+                    return Err(
+                        "router tracking key options require router_tracking_hash=keyed-xxh3-v1"
+                            .into(),
+                    );
+                }
+                None
+            }
+            TrackingHash::Keyed => {
+                let path = cli
+                    .router_tracking_key_file
+                    .ok_or("keyed-xxh3-v1 requires router_tracking_key_file")?;
+                let bytes = std::fs::read(&path).map_err(|e| {
+                    format!(
+                        "cannot read router_tracking_key_file {}: {e}",
+                        path.display()
+                    )
+                })?;
+                let key: [u8; 32] = bytes.as_slice().try_into().map_err(|_| {
+                    format!(
+                        "router_tracking_key_file must hold exactly 32 bytes, {} has {}",
+                        path.display(),
+                        bytes.len()
+                    )
+                })?;
+                let key_id = cli
+                    .router_tracking_key_id
+                    .ok_or("keyed-xxh3-v1 requires router_tracking_key_id")?;
+                if key_id.is_empty() || key_id.trim() != key_id {
+                    return Err(
+                        "router_tracking_key_id must be non-empty without surrounding whitespace"
+                            .into(),
+                    );
+                }
+                Some(TrackingKey { key, key_id })
+            }
+        };
+        for peer in &cli.indexer_peers {
+            if !peer.starts_with("http://") {
+                return Err(format!(
+                    "--indexer-peers entry `{peer}` must start with http://"
+                ));
+            }
+        }
+        Ok(Config {
+            addr: SocketAddr::new(cli.host, cli.port),
+            threads,
+            cores,
+            ingest_threads: cli.ingest_threads,
+            indexer_peers: cli.indexer_peers,
+            selection_cache_ttl: secs("selection-cache-ttl-secs", cli.selection_cache_ttl_secs)?,
+            selection_cache_max_entries: cli.selection_cache_max_entries,
+            selection_cache_max_bytes: cli.selection_cache_max_bytes,
+            body_limit_bytes: cli.body_limit_bytes,
+            max_tokens: cli.max_tokens,
+            max_depth: cli.max_depth,
+            booking_expiry: secs("booking-expiry-secs", cli.booking_expiry_secs)?,
+            router,
+            tracking_key,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cli(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("kvselect").chain(args.iter().copied())).unwrap()
+    }
+
+    #[test]
+    fn defaults_bind_loopback_8092() {
+        let c = Config::from_cli_with_env(cli(&[]), |_| None).unwrap();
+        assert_eq!(c.addr.to_string(), "127.0.0.1:8092");
+        assert_eq!(c.body_limit_bytes, 8 * 1024 * 1024);
+        assert_eq!(c.router, RouterConfig::default());
+        assert!(c.tracking_key.is_none());
+    }
+
+    #[test]
+    fn env_weights_apply_and_deprecated_weight_zeroes_credit() {
+        let env = |k: &str| match k {
+            "DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT" => Some("0".to_string()),
+            "DYN_ROUTER_TEMPERATURE" => Some("0.5".to_string()),
+            _ => None,
+        };
+        let r = RouterConfig::from_env_with(env).unwrap();
+        assert_eq!(r.prefill_load_scale, 0.0);
+        assert_eq!(r.overlap_score_credit, 0.0);
+        assert_eq!(r.router_temperature, 0.5);
+        let bad = RouterConfig::from_env_with(|k| {
+            (k == "DYN_ROUTER_PREFILL_LOAD_SCALE").then(|| "-1".into())
+        });
+        assert!(bad.is_err());
+    }
+
+    #[test]
+    fn core_lists() {
+        assert_eq!(
+            parse_cores("0-3,8,10-11").unwrap(),
+            vec![0, 1, 2, 3, 8, 10, 11]
+        );
+        assert!(parse_cores("3-1").is_err());
+        assert!(parse_cores("x").is_err());
+        let c = Config::from_cli_with_env(cli(&["--cores", "0-1"]), |_| None).unwrap();
+        assert_eq!(c.threads, 2);
+    }
+
+    #[test]
+    fn keyed_mode_needs_its_key() {
+        let e =
+            Config::from_cli_with_env(cli(&["--router-tracking-hash", "keyed-xxh3-v1"]), |_| None)
+                .unwrap_err();
+        assert_eq!(e, "keyed-xxh3-v1 requires router_tracking_key_file");
+        let e = Config::from_cli_with_env(cli(&["--router-tracking-key-id", "k"]), |_| None)
+            .unwrap_err();
+        assert_eq!(
+            e,
+            "router tracking key options require router_tracking_hash=keyed-xxh3-v1"
+        );
+    }
+
+    #[test]
+    fn assume_kv_reuse_flag_pair() {
+        let c = Config::from_cli_with_env(cli(&["--no-router-assume-kv-reuse"]), |_| None).unwrap();
+        assert!(!c.router.assume_kv_reuse);
+    }
+}

@@ -1,0 +1,87 @@
+//! The one place that turns every failure into an HTTP status and an
+//! `{"error": "..."}` body. The match is exhaustive on purpose: a new error
+//! kind must choose its status here.
+
+use crate::app::AppError;
+use crate::parse::ErrorClass;
+use hyper::StatusCode;
+
+/// Failures of the HTTP front door itself, before a handler runs.
+#[derive(Debug)]
+pub enum HttpError {
+    App(AppError),
+    UnsupportedMediaType,
+    PayloadTooLarge,
+    RouteNotFound,
+    MethodNotAllowed {
+        allow: &'static str,
+    },
+    /// A path parameter that does not parse (e.g. `/workers/abc`).
+    InvalidPath(String),
+    /// The client's body stream failed mid-way.
+    BodyRead(String),
+}
+
+impl From<AppError> for HttpError {
+    fn from(e: AppError) -> Self {
+        HttpError::App(e)
+    }
+}
+
+impl HttpError {
+    pub fn status_and_message(&self) -> (StatusCode, String) {
+        match self {
+            HttpError::App(e) => match e {
+                AppError::Parse(p) => match p.class {
+                    ErrorClass::Syntax => (
+                        StatusCode::BAD_REQUEST,
+                        format!("Failed to parse the request body as JSON: {p}"),
+                    ),
+                    ErrorClass::Shape => (
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        format!("Failed to deserialize the JSON body into the target type: {p}"),
+                    ),
+                    ErrorClass::TooLarge => (
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        format!("Request body too large: {p}"),
+                    ),
+                },
+                AppError::BadRequest(m) => (StatusCode::BAD_REQUEST, m.clone()),
+                AppError::NotReady(m) => (StatusCode::SERVICE_UNAVAILABLE, m.clone()),
+                AppError::NoEndpoints => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "no endpoints available to route work".to_string(),
+                ),
+                AppError::NotFound(m) => (StatusCode::NOT_FOUND, m.clone()),
+                AppError::Conflict(m) => (StatusCode::CONFLICT, m.clone()),
+            },
+            HttpError::UnsupportedMediaType => (
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "Expected request with `Content-Type: application/json`".to_string(),
+            ),
+            HttpError::PayloadTooLarge => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "Failed to buffer the request body: length limit exceeded".to_string(),
+            ),
+            HttpError::RouteNotFound => (StatusCode::NOT_FOUND, "route not found".to_string()),
+            HttpError::MethodNotAllowed { .. } => (
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method not allowed".to_string(),
+            ),
+            HttpError::InvalidPath(m) => (StatusCode::BAD_REQUEST, m.clone()),
+            HttpError::BodyRead(m) => (
+                StatusCode::BAD_REQUEST,
+                format!("Failed to buffer the request body: {m}"),
+            ),
+        }
+    }
+}
+
+/// `{"error": msg}` with proper JSON escaping.
+pub fn error_body(msg: &str) -> Vec<u8> {
+    #[derive(serde::Serialize)]
+    struct E<'a> {
+        error: &'a str,
+    }
+    serde_json::to_vec(&E { error: msg }).expect("serialises")
+}

@@ -1,0 +1,170 @@
+//! The overlap walk: intersects holder sets block by block along a request's
+//! key chain, keeping the three cumulative active sets (device; device or
+//! host; any tier) as bitsets over slots, and recording the depth at which each
+//! slot drops out of each set.
+//!
+//! Because a node's device holders are a subset of its device-or-host holders,
+//! which are a subset of all its holders, the three active sets stay nested
+//! (`dev ⊆ host ⊆ any`), so only the `any` set's non-zero word range is
+//! scanned.
+
+use super::holders::{Holders, DEV, HOST};
+
+/// Scratch state of one walk.
+#[derive(Default)]
+pub(crate) struct Walk {
+    /// Active sets: `set[0]` device, `set[1]` device|host, `set[2]` any.
+    set: [Vec<u64>; 3],
+    /// Sparse holders scattered into words (same layout as `set`).
+    tmp: [Vec<u64>; 3],
+    /// The slots that matched block 0 (all others stay at depth 0).
+    first: Vec<u64>,
+    /// Per slot, the block count where it left each set.
+    depth: Vec<[u32; 3]>,
+    lo: usize,
+    hi: usize,
+    started: bool,
+}
+
+impl Walk {
+    pub(crate) fn new() -> Walk {
+        Walk::default()
+    }
+
+    /// True once no slot is active any more.
+    #[inline]
+    pub(crate) fn done(&self) -> bool {
+        self.started && self.lo >= self.hi
+    }
+
+    /// Applies block `i` held by `holders` (`None`: nobody holds it).
+    pub(crate) fn step(&mut self, i: u32, holders: Option<&Holders>) {
+        let Some(h) = holders else {
+            self.end(i);
+            return;
+        };
+        if !self.started {
+            self.start(h);
+            return;
+        }
+        match h {
+            Holders::Dense(d) => {
+                for w in self.lo..self.hi {
+                    let (nd, nh, na) = match d.groups.get(w) {
+                        Some(g) => (g[0], g[0] | g[1], g[0] | g[1] | g[2] | g[3]),
+                        None => (0, 0, 0),
+                    };
+                    self.combine(i, w, [nd, nh, na]);
+                }
+            }
+            _ => {
+                let (lo, hi) = (self.lo, self.hi);
+                h.for_each(|s, m| {
+                    let w = s as usize / 64;
+                    if w >= lo && w < hi {
+                        let bit = 1u64 << (s % 64);
+                        if m & DEV != 0 {
+                            self.tmp[0][w] |= bit;
+                        }
+                        if m & (DEV | HOST) != 0 {
+                            self.tmp[1][w] |= bit;
+                        }
+                        self.tmp[2][w] |= bit;
+                    }
+                });
+                for w in lo..hi {
+                    let n = [self.tmp[0][w], self.tmp[1][w], self.tmp[2][w]];
+                    self.tmp[0][w] = 0;
+                    self.tmp[1][w] = 0;
+                    self.tmp[2][w] = 0;
+                    self.combine(i, w, n);
+                }
+            }
+        }
+        while self.lo < self.hi && self.set[2][self.lo] == 0 {
+            self.lo += 1;
+        }
+        while self.hi > self.lo && self.set[2][self.hi - 1] == 0 {
+            self.hi -= 1;
+        }
+    }
+
+    #[inline]
+    fn combine(&mut self, i: u32, w: usize, n: [u64; 3]) {
+        for (k, &nk) in n.iter().enumerate() {
+            let old = self.set[k][w];
+            let new = old & nk;
+            let mut gone = old & !new;
+            self.set[k][w] = new;
+            while gone != 0 {
+                let b = gone.trailing_zeros() as usize;
+                gone &= gone - 1;
+                self.depth[w * 64 + b][k] = i;
+            }
+        }
+    }
+
+    fn start(&mut self, h: &Holders) {
+        let mut max = 0;
+        h.for_each(|s, _| max = max.max(s));
+        let words = max as usize / 64 + 1;
+        for v in self.set.iter_mut().chain(self.tmp.iter_mut()) {
+            v.clear();
+            v.resize(words, 0);
+        }
+        self.depth.clear();
+        self.depth.resize(words * 64, [0; 3]);
+        h.for_each(|s, m| {
+            let (w, bit) = (s as usize / 64, 1u64 << (s % 64));
+            if m & DEV != 0 {
+                self.set[0][w] |= bit;
+            }
+            if m & (DEV | HOST) != 0 {
+                self.set[1][w] |= bit;
+            }
+            self.set[2][w] |= bit;
+        });
+        self.first.clear();
+        self.first.extend_from_slice(&self.set[2]);
+        self.started = true;
+        self.lo = 0;
+        self.hi = words;
+        while self.lo < self.hi && self.set[2][self.lo] == 0 {
+            self.lo += 1;
+        }
+        while self.hi > self.lo && self.set[2][self.hi - 1] == 0 {
+            self.hi -= 1;
+        }
+    }
+
+    /// Every still-active slot leaves every set at block count `len`.
+    pub(crate) fn end(&mut self, len: u32) {
+        if !self.started {
+            self.started = true;
+            self.lo = 0;
+            self.hi = 0;
+            return;
+        }
+        for w in self.lo..self.hi {
+            self.combine(len, w, [0, 0, 0]);
+        }
+        self.lo = self.hi;
+    }
+
+    /// Calls `f(slot, [device, host_ext, disk_ext])` for every slot that
+    /// matched at least one block. Call after `end`.
+    pub(crate) fn results(&self, mut f: impl FnMut(u32, [u32; 3])) {
+        for (w, &word) in self.first.iter().enumerate() {
+            let mut m = word;
+            while m != 0 {
+                let b = m.trailing_zeros() as usize;
+                m &= m - 1;
+                let [d, h, a] = self.depth[w * 64 + b];
+                f(
+                    (w * 64 + b) as u32,
+                    [d, h.saturating_sub(d), a.saturating_sub(h)],
+                );
+            }
+        }
+    }
+}

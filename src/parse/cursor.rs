@@ -1,0 +1,874 @@
+//! The byte cursor every body visitor reads through: whitespace, strings
+//! (borrowed unless escaped), numbers classified the way serde_json classifies
+//! them, literals, a validating skipper for unknown values, and the internal
+//! error type.
+//!
+//! Invariants:
+//! - the cursor never reads past the body (all access goes through `get`);
+//! - every nested `[`/`{` goes through [`Cur::enter`], so the depth limit holds
+//!   for typed and skipped values alike (serde_json semantics: with limit 128,
+//!   127 levels are accepted);
+//! - errors are built only on the error path: the happy path allocates nothing.
+
+use super::{ErrorClass, ParseError, Str};
+use std::borrow::Cow;
+
+/// One segment of an error's field path (serde_path_to_error style).
+#[derive(Debug)]
+pub(crate) enum Seg {
+    Key(String),
+    Index(usize),
+}
+
+/// An error on its way up; boxed so `PResult<T>` stays small on the hot path.
+#[derive(Debug)]
+pub(crate) struct Fail {
+    pub class: ErrorClass,
+    pub offset: usize,
+    pub message: String,
+    /// Innermost segment first (pushed while unwinding).
+    pub segs: Vec<Seg>,
+    /// A shape error inside the flattened prompt group: reported without a
+    /// path and at the end of the top-level object, as the reference does.
+    pub flattened: bool,
+}
+
+pub(crate) type PResult<T> = Result<T, Box<Fail>>;
+
+#[cold]
+pub(crate) fn fail(class: ErrorClass, offset: usize, message: impl Into<String>) -> Box<Fail> {
+    Box::new(Fail {
+        class,
+        offset,
+        message: message.into(),
+        segs: Vec::new(),
+        flattened: false,
+    })
+}
+
+/// Adds path context while an error unwinds out of a field's value.
+pub(crate) trait Context<T> {
+    fn key(self, key: &str) -> PResult<T>;
+    fn index(self, i: usize) -> PResult<T>;
+    fn flattened(self) -> PResult<T>;
+}
+
+impl<T> Context<T> for PResult<T> {
+    #[inline]
+    fn key(self, key: &str) -> PResult<T> {
+        self.map_err(|mut e| {
+            e.segs.push(Seg::Key(key.to_owned()));
+            e
+        })
+    }
+    #[inline]
+    fn index(self, i: usize) -> PResult<T> {
+        self.map_err(|mut e| {
+            e.segs.push(Seg::Index(i));
+            e
+        })
+    }
+    #[inline]
+    fn flattened(self) -> PResult<T> {
+        self.map_err(|mut e| {
+            if e.class == ErrorClass::Shape {
+                e.flattened = true;
+            }
+            e
+        })
+    }
+}
+
+impl Fail {
+    /// The public error: path rendered like serde_path_to_error, line and
+    /// column computed like serde_json's `SliceRead::position_of_index`.
+    #[cold]
+    pub(crate) fn finish(self, body: &[u8], top_end: Option<usize>) -> ParseError {
+        let (offset, path) = if self.flattened && self.class == ErrorClass::Shape {
+            (top_end.unwrap_or(self.offset), String::new())
+        } else {
+            (self.offset, render_path(&self.segs))
+        };
+        let offset = offset.min(body.len());
+        let (line, column) = line_column(body, offset);
+        ParseError {
+            class: self.class,
+            offset,
+            line,
+            column,
+            path,
+            message: self.message,
+        }
+    }
+}
+
+fn render_path(segs: &[Seg]) -> String {
+    let mut out = String::new();
+    for (n, seg) in segs.iter().rev().enumerate() {
+        match seg {
+            Seg::Key(k) => {
+                if n > 0 {
+                    out.push('.');
+                }
+                out.push_str(k);
+            }
+            Seg::Index(i) => {
+                out.push('[');
+                out.push_str(&i.to_string());
+                out.push(']');
+            }
+        }
+    }
+    out
+}
+
+/// serde_json's position: line = 1 + newlines before the line start, column =
+/// bytes between the line start and `offset`.
+pub(crate) fn line_column(body: &[u8], offset: usize) -> (usize, usize) {
+    let head = &body[..offset];
+    let start = head.iter().rposition(|&b| b == b'\n').map_or(0, |p| p + 1);
+    let line = 1 + head[..start].iter().filter(|&&b| b == b'\n').count();
+    (line, offset - start)
+}
+
+/// A JSON number as serde_json classifies it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Num {
+    U64(u64),
+    I64(i64),
+    F64(f64),
+}
+
+/// serde's rendering of an unexpected float (`WithDecimalPoint`).
+pub(crate) fn float_text(f: f64) -> String {
+    let mut s = format!("{f}");
+    if f.is_finite() && !s.contains(['.', 'e', 'E']) {
+        s.push_str(".0");
+    }
+    s
+}
+
+impl Num {
+    /// serde's `Unexpected` text for this number.
+    pub(crate) fn unexpected(self) -> String {
+        match self {
+            Num::U64(v) => format!("integer `{v}`"),
+            Num::I64(v) => format!("integer `{v}`"),
+            Num::F64(f) => format!("floating point `{}`", float_text(f)),
+        }
+    }
+}
+
+#[inline(always)]
+pub(crate) fn is_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\n' | b'\r' | b'\t')
+}
+
+pub(crate) struct Cur<'a> {
+    pub b: &'a [u8],
+    pub i: usize,
+    depth: usize,
+    max_depth: usize,
+}
+
+impl<'a> Cur<'a> {
+    pub(crate) fn new(b: &'a [u8], max_depth: usize) -> Self {
+        Cur {
+            b,
+            i: 0,
+            depth: 0,
+            max_depth,
+        }
+    }
+
+    #[inline(always)]
+    pub(crate) fn peek(&self) -> Option<u8> {
+        self.b.get(self.i).copied()
+    }
+
+    /// Skips whitespace and returns the next byte, if any.
+    #[inline(always)]
+    pub(crate) fn ws(&mut self) -> Option<u8> {
+        while let Some(&c) = self.b.get(self.i) {
+            if !is_ws(c) {
+                return Some(c);
+            }
+            self.i += 1;
+        }
+        None
+    }
+
+    #[cold]
+    pub(crate) fn syntax_here(&self, msg: &str) -> Box<Fail> {
+        // serde's peek_error: one past the offending byte.
+        fail(ErrorClass::Syntax, (self.i + 1).min(self.b.len()), msg)
+    }
+
+    #[cold]
+    pub(crate) fn eof(&self, what: &str) -> Box<Fail> {
+        fail(
+            ErrorClass::Syntax,
+            self.b.len(),
+            format!("EOF while parsing {what}"),
+        )
+    }
+
+    #[cold]
+    pub(crate) fn shape(&self, offset: usize, msg: String) -> Box<Fail> {
+        fail(ErrorClass::Shape, offset, msg)
+    }
+
+    /// Opens a nesting level (the `[` or `{` at the cursor).
+    #[inline]
+    pub(crate) fn enter(&mut self) -> PResult<()> {
+        self.depth += 1;
+        if self.depth >= self.max_depth {
+            return Err(self.syntax_here("recursion limit exceeded"));
+        }
+        self.i += 1;
+        Ok(())
+    }
+
+    #[inline]
+    pub(crate) fn leave(&mut self) {
+        self.depth -= 1;
+    }
+
+    /// After a value inside an array: `,` (returns true: another element
+    /// follows) or `]` (returns false). Rejects a trailing comma.
+    #[inline]
+    pub(crate) fn array_next(&mut self) -> PResult<bool> {
+        match self.ws() {
+            Some(b',') => {
+                self.i += 1;
+                match self.ws() {
+                    Some(b']') => Err(self.syntax_here("trailing comma")),
+                    None => Err(self.eof("a value")),
+                    _ => Ok(true),
+                }
+            }
+            Some(b']') => {
+                self.i += 1;
+                self.leave();
+                Ok(false)
+            }
+            None => Err(self.eof("a list")),
+            Some(_) => Err(self.syntax_here("expected `,` or `]`")),
+        }
+    }
+
+    /// Just after `[` was entered: is the array empty (consumes `]`)?
+    #[inline]
+    pub(crate) fn array_empty(&mut self) -> PResult<bool> {
+        match self.ws() {
+            Some(b']') => {
+                self.i += 1;
+                self.leave();
+                Ok(true)
+            }
+            None => Err(self.eof("a list")),
+            Some(_) => Ok(false),
+        }
+    }
+
+    /// Reads the next key of an object (cursor after `{` or after a value).
+    /// Returns `None` at `}` (consumed). `first` says whether this is the
+    /// first key (no comma expected).
+    #[inline]
+    pub(crate) fn next_key(&mut self, first: bool) -> PResult<Option<Key<'a>>> {
+        let mut c = self.ws();
+        if !first {
+            match c {
+                Some(b',') => {
+                    self.i += 1;
+                    c = self.ws();
+                    if c == Some(b'}') {
+                        return Err(self.syntax_here("trailing comma"));
+                    }
+                }
+                Some(b'}') => {
+                    self.i += 1;
+                    self.leave();
+                    return Ok(None);
+                }
+                None => return Err(self.eof("an object")),
+                Some(_) => return Err(self.syntax_here("expected `,` or `}`")),
+            }
+        } else if c == Some(b'}') {
+            self.i += 1;
+            self.leave();
+            return Ok(None);
+        }
+        match c {
+            Some(b'"') => {}
+            None => return Err(self.eof("an object")),
+            Some(_) => return Err(self.syntax_here("key must be a string")),
+        }
+        let key = self.key_raw()?;
+        match self.ws() {
+            Some(b':') => self.i += 1,
+            None => return Err(self.eof("an object")),
+            Some(_) => return Err(self.syntax_here("expected `:`")),
+        }
+        Ok(Some(key))
+    }
+
+    /// A key string at the cursor (on its `"`). Keys without backslashes stay
+    /// raw bytes, matched directly; escaped keys are decoded.
+    #[inline]
+    fn key_raw(&mut self) -> PResult<Key<'a>> {
+        let start = self.i + 1;
+        let mut j = start;
+        while let Some(&c) = self.b.get(j) {
+            match c {
+                b'"' => {
+                    let raw = &self.b[start..j];
+                    if !raw.is_ascii() && std::str::from_utf8(raw).is_err() {
+                        self.i = j;
+                        return Err(self.syntax_here("invalid unicode code point"));
+                    }
+                    self.i = j + 1;
+                    return Ok(Key {
+                        bytes: Cow::Borrowed(raw),
+                        end: j + 1,
+                    });
+                }
+                b'\\' => {
+                    let s = self.string()?;
+                    let end = self.i;
+                    return Ok(Key {
+                        bytes: match s {
+                            Cow::Borrowed(s) => Cow::Borrowed(s.as_bytes()),
+                            Cow::Owned(s) => Cow::Owned(s.into_bytes()),
+                        },
+                        end,
+                    });
+                }
+                0..=0x1f => {
+                    self.i = j;
+                    return Err(self.syntax_here(
+                        "control character (\\u0000-\\u001F) found while parsing a string",
+                    ));
+                }
+                _ => j += 1,
+            }
+        }
+        self.i = self.b.len();
+        Err(self.eof("a string"))
+    }
+
+    /// A string at the cursor (on its `"`): borrowed unless it holds escapes.
+    #[inline]
+    pub(crate) fn string(&mut self) -> PResult<Str<'a>> {
+        let start = self.i + 1;
+        let mut j = start;
+        while let Some(&c) = self.b.get(j) {
+            match c {
+                b'"' => {
+                    let raw = &self.b[start..j];
+                    return match std::str::from_utf8(raw) {
+                        Ok(s) => {
+                            self.i = j + 1;
+                            Ok(Cow::Borrowed(s))
+                        }
+                        Err(e) => {
+                            self.i = start + e.valid_up_to();
+                            Err(self.syntax_here("invalid unicode code point"))
+                        }
+                    };
+                }
+                b'\\' => return self.string_escaped(start, j).map(Cow::Owned),
+                0..=0x1f => {
+                    self.i = j;
+                    return Err(self.syntax_here(
+                        "control character (\\u0000-\\u001F) found while parsing a string",
+                    ));
+                }
+                _ => j += 1,
+            }
+        }
+        self.i = self.b.len();
+        Err(self.eof("a string"))
+    }
+
+    /// Slow path of [`Cur::string`]: `j` is the first backslash.
+    fn string_escaped(&mut self, start: usize, mut j: usize) -> PResult<String> {
+        let mut out: Vec<u8> = self.b[start..j].to_vec();
+        loop {
+            let Some(&c) = self.b.get(j) else {
+                self.i = self.b.len();
+                return Err(self.eof("a string"));
+            };
+            match c {
+                b'"' => {
+                    self.i = j + 1;
+                    return match String::from_utf8(out) {
+                        Ok(s) => Ok(s),
+                        Err(_) => {
+                            self.i = j;
+                            Err(self.syntax_here("invalid unicode code point"))
+                        }
+                    };
+                }
+                b'\\' => {
+                    j += 1;
+                    let Some(&e) = self.b.get(j) else {
+                        self.i = self.b.len();
+                        return Err(self.eof("a string"));
+                    };
+                    j += 1;
+                    match e {
+                        b'"' => out.push(b'"'),
+                        b'\\' => out.push(b'\\'),
+                        b'/' => out.push(b'/'),
+                        b'b' => out.push(8),
+                        b'f' => out.push(12),
+                        b'n' => out.push(b'\n'),
+                        b'r' => out.push(b'\r'),
+                        b't' => out.push(b'\t'),
+                        b'u' => {
+                            let ch = self.unicode_escape(&mut j)?;
+                            let mut buf = [0u8; 4];
+                            out.extend_from_slice(ch.encode_utf8(&mut buf).as_bytes());
+                        }
+                        _ => {
+                            self.i = j - 2;
+                            return Err(fail(ErrorClass::Syntax, j, "invalid escape"));
+                        }
+                    }
+                }
+                0..=0x1f => {
+                    self.i = j;
+                    return Err(self.syntax_here(
+                        "control character (\\u0000-\\u001F) found while parsing a string",
+                    ));
+                }
+                _ => {
+                    out.push(c);
+                    j += 1;
+                }
+            }
+        }
+    }
+
+    fn hex4(&self, j: &mut usize) -> PResult<u16> {
+        let mut v: u16 = 0;
+        for _ in 0..4 {
+            let Some(&c) = self.b.get(*j) else {
+                return Err(self.eof("a string"));
+            };
+            let d = match c {
+                b'0'..=b'9' => c - b'0',
+                b'a'..=b'f' => c - b'a' + 10,
+                b'A'..=b'F' => c - b'A' + 10,
+                _ => return Err(fail(ErrorClass::Syntax, *j + 1, "invalid escape")),
+            };
+            v = (v << 4) | d as u16;
+            *j += 1;
+        }
+        Ok(v)
+    }
+
+    /// After `\u`: one code point, pairing surrogates; lone surrogates are
+    /// errors (serde_json rejects them too).
+    fn unicode_escape(&self, j: &mut usize) -> PResult<char> {
+        let n = self.hex4(j)?;
+        match n {
+            0xD800..=0xDBFF => {
+                if self.b.get(*j) != Some(&b'\\') || self.b.get(*j + 1) != Some(&b'u') {
+                    if *j >= self.b.len() || (*j + 1 >= self.b.len() && self.b[*j] == b'\\') {
+                        return Err(self.eof("a string"));
+                    }
+                    return Err(fail(
+                        ErrorClass::Syntax,
+                        *j + 1,
+                        "lone leading surrogate in hex escape",
+                    ));
+                }
+                *j += 2;
+                let lo = self.hex4(j)?;
+                if !(0xDC00..=0xDFFF).contains(&lo) {
+                    return Err(fail(
+                        ErrorClass::Syntax,
+                        *j,
+                        "lone leading surrogate in hex escape",
+                    ));
+                }
+                let c = 0x10000 + (((n as u32 - 0xD800) << 10) | (lo as u32 - 0xDC00));
+                char::from_u32(c)
+                    .ok_or_else(|| fail(ErrorClass::Syntax, *j, "invalid unicode code point"))
+            }
+            0xDC00..=0xDFFF => Err(fail(
+                ErrorClass::Syntax,
+                *j,
+                "lone leading surrogate in hex escape",
+            )),
+            _ => char::from_u32(n as u32)
+                .ok_or_else(|| fail(ErrorClass::Syntax, *j, "invalid unicode code point")),
+        }
+    }
+
+    /// Validates a string at the cursor without keeping it.
+    fn skip_string(&mut self) -> PResult<()> {
+        let start = self.i + 1;
+        let mut j = start;
+        while let Some(&c) = self.b.get(j) {
+            match c {
+                b'"' => {
+                    if let Err(e) = std::str::from_utf8(&self.b[start..j]) {
+                        self.i = start + e.valid_up_to();
+                        return Err(self.syntax_here("invalid unicode code point"));
+                    }
+                    self.i = j + 1;
+                    return Ok(());
+                }
+                b'\\' => {
+                    self.string_escaped(start, j)?;
+                    return Ok(());
+                }
+                0..=0x1f => {
+                    self.i = j;
+                    return Err(self.syntax_here(
+                        "control character (\\u0000-\\u001F) found while parsing a string",
+                    ));
+                }
+                _ => j += 1,
+            }
+        }
+        self.i = self.b.len();
+        Err(self.eof("a string"))
+    }
+
+    /// A number at the cursor (on `-` or a digit), classified like serde_json.
+    /// A float too large for f64 is serde's "number out of range" (syntax).
+    pub(crate) fn number(&mut self) -> PResult<Num> {
+        let start = self.i;
+        let neg = self.peek() == Some(b'-');
+        if neg {
+            self.i += 1;
+        }
+        let int_start = self.i;
+        match self.peek() {
+            Some(b'0') => {
+                self.i += 1;
+                if matches!(self.peek(), Some(b'0'..=b'9')) {
+                    return Err(self.syntax_here("invalid number"));
+                }
+            }
+            Some(b'1'..=b'9') => {
+                while matches!(self.peek(), Some(b'0'..=b'9')) {
+                    self.i += 1;
+                }
+            }
+            None => return Err(self.eof("a value")),
+            Some(_) => {
+                self.i += 1;
+                return Err(fail(ErrorClass::Syntax, self.i, "invalid number"));
+            }
+        }
+        let int_end = self.i;
+        let mut float = false;
+        if self.peek() == Some(b'.') {
+            float = true;
+            self.i += 1;
+            match self.peek() {
+                Some(b'0'..=b'9') => {}
+                None => return Err(self.eof("a value")),
+                Some(_) => return Err(self.syntax_here("invalid number")),
+            }
+            while matches!(self.peek(), Some(b'0'..=b'9')) {
+                self.i += 1;
+            }
+        }
+        if matches!(self.peek(), Some(b'e' | b'E')) {
+            float = true;
+            self.i += 1;
+            if matches!(self.peek(), Some(b'+' | b'-')) {
+                self.i += 1;
+            }
+            match self.peek() {
+                Some(b'0'..=b'9') => {}
+                None => return Err(self.eof("a value")),
+                Some(_) => return Err(self.syntax_here("invalid number")),
+            }
+            while matches!(self.peek(), Some(b'0'..=b'9')) {
+                self.i += 1;
+            }
+        }
+        let digits = &self.b[int_start..int_end];
+        if !float && digits.len() <= 20 {
+            let mut v: u64 = 0;
+            let mut ok = true;
+            for &d in digits {
+                match v
+                    .checked_mul(10)
+                    .and_then(|v| v.checked_add((d - b'0') as u64))
+                {
+                    Some(n) => v = n,
+                    None => {
+                        ok = false;
+                        break;
+                    }
+                }
+            }
+            if ok {
+                if !neg {
+                    return Ok(Num::U64(v));
+                }
+                let n = (v as i64).wrapping_neg();
+                // serde_json: `-0` and magnitudes past i64::MIN become floats.
+                if n < 0 {
+                    return Ok(Num::I64(n));
+                }
+                if v == 0 {
+                    return Ok(Num::F64(-0.0));
+                }
+            }
+        }
+        // The text is ASCII digits/sign/./e only, so this cannot fail.
+        let text = std::str::from_utf8(&self.b[start..self.i]).unwrap_or("0");
+        let f: f64 = text.parse().unwrap_or(f64::NAN);
+        if !f.is_finite() {
+            return Err(fail(ErrorClass::Syntax, self.i, "number out of range"));
+        }
+        Ok(Num::F64(f))
+    }
+
+    /// A literal (`true`, `false`, `null`) at the cursor; `rest` is the
+    /// literal without its first byte.
+    fn literal(&mut self, rest: &[u8]) -> PResult<()> {
+        self.i += 1;
+        for &want in rest {
+            match self.peek() {
+                Some(c) if c == want => self.i += 1,
+                None => return Err(self.eof("a value")),
+                Some(_) => return Err(self.syntax_here("expected ident")),
+            }
+        }
+        Ok(())
+    }
+
+    /// Skips one value (cursor on its first byte, whitespace already skipped
+    /// or not), validating it fully and respecting the depth limit. Builds
+    /// nothing.
+    pub(crate) fn skip_value(&mut self) -> PResult<()> {
+        match self.ws() {
+            None => Err(self.eof("a value")),
+            Some(b'"') => self.skip_string(),
+            Some(b'{') => {
+                self.enter()?;
+                let mut first = true;
+                while let Some(k) = self.next_key(first)? {
+                    first = false;
+                    if let Err(e) = self.skip_value() {
+                        return Err(e).key(&k.text());
+                    }
+                }
+                Ok(())
+            }
+            Some(b'[') => {
+                self.enter()?;
+                if self.array_empty()? {
+                    return Ok(());
+                }
+                let mut n = 0usize;
+                loop {
+                    self.skip_value().index(n)?;
+                    n += 1;
+                    if !self.array_next()? {
+                        return Ok(());
+                    }
+                }
+            }
+            Some(b't') => self.literal(b"rue"),
+            Some(b'f') => self.literal(b"alse"),
+            Some(b'n') => self.literal(b"ull"),
+            Some(b'-' | b'0'..=b'9') => self.skip_number(),
+            Some(_) => Err(self.syntax_here("expected value")),
+        }
+    }
+
+    /// Validates a number; the common short integer avoids float parsing.
+    fn skip_number(&mut self) -> PResult<()> {
+        let start = self.i;
+        let mut j = start;
+        if self.b.get(j) == Some(&b'-') {
+            j += 1;
+        }
+        let mut plain = true;
+        let mut k = j;
+        while let Some(c) = self.b.get(k) {
+            match c {
+                b'0'..=b'9' => k += 1,
+                b'.' | b'e' | b'E' | b'+' | b'-' => {
+                    plain = false;
+                    break;
+                }
+                _ => break,
+            }
+        }
+        let n = k - j;
+        if plain && n > 0 && n < 300 && !(n > 1 && self.b[j] == b'0') {
+            self.i = k;
+            return Ok(());
+        }
+        self.number().map(|_| ())
+    }
+
+    /// Parses a value that is not what the field wanted, to describe it the
+    /// way serde does (`invalid type: string "x", expected ...`). Syntax errors
+    /// inside it win. Containers are described without being parsed.
+    #[cold]
+    pub(crate) fn wrong_type(&mut self, expected: &str) -> Box<Fail> {
+        let start = self.i;
+        let what = match self.peek() {
+            Some(b'"') => match self.string() {
+                Ok(s) => format!("string {s:?}"),
+                Err(e) => return e,
+            },
+            Some(b't') => match self.literal(b"rue") {
+                Ok(()) => "boolean `true`".to_string(),
+                Err(e) => return e,
+            },
+            Some(b'f') => match self.literal(b"alse") {
+                Ok(()) => "boolean `false`".to_string(),
+                Err(e) => return e,
+            },
+            Some(b'n') => match self.literal(b"ull") {
+                Ok(()) => "null".to_string(),
+                Err(e) => return e,
+            },
+            Some(b'-' | b'0'..=b'9') => match self.number() {
+                Ok(n) => n.unexpected(),
+                Err(e) => return e,
+            },
+            Some(b'[') => {
+                return self.shape(
+                    start,
+                    format!("invalid type: sequence, expected {expected}"),
+                )
+            }
+            Some(b'{') => {
+                return self.shape(start, format!("invalid type: map, expected {expected}"))
+            }
+            None => return self.eof("a value"),
+            Some(_) => return self.syntax_here("expected value"),
+        };
+        self.shape(self.i, format!("invalid type: {what}, expected {expected}"))
+    }
+
+    // ---- typed scalars -------------------------------------------------
+
+    /// `null` at the cursor? Consumes it. Used for `Option` fields.
+    #[inline]
+    pub(crate) fn null(&mut self) -> PResult<bool> {
+        if self.ws() == Some(b'n') {
+            self.literal(b"ull")?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    pub(crate) fn str_val(&mut self) -> PResult<Str<'a>> {
+        match self.ws() {
+            Some(b'"') => self.string(),
+            _ => Err(self.wrong_type("a string")),
+        }
+    }
+
+    pub(crate) fn bool_val(&mut self) -> PResult<bool> {
+        match self.ws() {
+            Some(b't') => self.literal(b"rue").map(|_| true),
+            Some(b'f') => self.literal(b"alse").map(|_| false),
+            _ => Err(self.wrong_type("a boolean")),
+        }
+    }
+
+    fn num_val(&mut self, expected: &str) -> PResult<Num> {
+        match self.ws() {
+            Some(b'-' | b'0'..=b'9') => self.number(),
+            _ => Err(self.wrong_type(expected)),
+        }
+    }
+
+    pub(crate) fn u64_val(&mut self, expected: &str) -> PResult<u64> {
+        match self.num_val(expected)? {
+            Num::U64(v) => Ok(v),
+            n @ Num::I64(_) => Err(self.shape(
+                self.i,
+                format!("invalid value: {}, expected {expected}", n.unexpected()),
+            )),
+            n @ Num::F64(_) => Err(self.shape(
+                self.i,
+                format!("invalid type: {}, expected {expected}", n.unexpected()),
+            )),
+        }
+    }
+
+    pub(crate) fn u32_val(&mut self) -> PResult<u32> {
+        let v = self.u64_val("u32")?;
+        u32::try_from(v).map_err(|_| {
+            self.shape(
+                self.i,
+                format!("invalid value: integer `{v}`, expected u32"),
+            )
+        })
+    }
+
+    pub(crate) fn i64_val(&mut self) -> PResult<i64> {
+        match self.num_val("i64")? {
+            Num::U64(v) => i64::try_from(v).map_err(|_| {
+                self.shape(
+                    self.i,
+                    format!("invalid value: integer `{v}`, expected i64"),
+                )
+            }),
+            Num::I64(v) => Ok(v),
+            n @ Num::F64(_) => Err(self.shape(
+                self.i,
+                format!("invalid type: {}, expected i64", n.unexpected()),
+            )),
+        }
+    }
+
+    pub(crate) fn f64_val(&mut self, expected: &str) -> PResult<f64> {
+        Ok(match self.num_val(expected)? {
+            Num::U64(v) => v as f64,
+            Num::I64(v) => v as f64,
+            Num::F64(f) => f,
+        })
+    }
+
+    /// Expects `{` and enters it.
+    pub(crate) fn object_start(&mut self, expected: &str) -> PResult<()> {
+        match self.ws() {
+            Some(b'{') => self.enter(),
+            _ => Err(self.wrong_type(expected)),
+        }
+    }
+
+    /// Expects `[` and enters it; returns true if the array is empty.
+    pub(crate) fn array_start(&mut self) -> PResult<bool> {
+        match self.ws() {
+            Some(b'[') => {
+                self.enter()?;
+                self.array_empty()
+            }
+            _ => Err(self.wrong_type("a sequence")),
+        }
+    }
+}
+
+/// An object key: raw bytes when it had no escapes.
+pub(crate) struct Key<'a> {
+    pub bytes: Cow<'a, [u8]>,
+    /// Offset just past the key's closing quote (serde reports duplicate
+    /// fields there).
+    pub end: usize,
+}
+
+impl Key<'_> {
+    pub(crate) fn text(&self) -> String {
+        String::from_utf8_lossy(&self.bytes).into_owned()
+    }
+}

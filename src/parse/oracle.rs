@@ -1,0 +1,327 @@
+//! Checks that hold the parser to references; called by the fuzz targets, the
+//! property tests and the seed replay (not by the service).
+//!
+//! - [`differential_select`]: our /select parser against serde_json into a
+//!   flat typed struct (the oracle): same class (ok / 400 / 422) and the same
+//!   values. The oracle's class: not valid JSON (`serde_json::Value` rejects
+//!   it) -> syntax; else serde's typed error category.
+//! - [`fuzz_body`]: any body kind must not panic, must return an error whose
+//!   position is inside the body, and the scalar and AVX2 token loops must
+//!   agree exactly.
+
+use super::*;
+use serde::Deserialize;
+use std::collections::HashMap;
+
+/// The body kinds with a parser entry point (one fuzz target each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyKind {
+    Select,
+    SelectAndReserve,
+    Reservation,
+    OutputBlock,
+    PromptQuery,
+    WorkerUpsert,
+    WorkerPatch,
+    PeerEndpoint,
+}
+
+/// Parses `body` as `kind` with the given parser, rendering the result with
+/// `Debug` so different runs can be compared.
+pub fn parse_debug(p: &Parser, kind: BodyKind, body: &[u8]) -> Result<String, ParseError> {
+    match kind {
+        BodyKind::Select => p.select(body, SelectKind::Select).map(|r| format!("{r:?}")),
+        BodyKind::SelectAndReserve => p
+            .select(body, SelectKind::SelectAndReserve)
+            .map(|r| format!("{r:?}")),
+        BodyKind::Reservation => p.reservation(body).map(|r| format!("{r:?}")),
+        BodyKind::OutputBlock => p.output_block(body).map(|r| format!("{r:?}")),
+        BodyKind::PromptQuery => p.prompt_query(body).map(|r| format!("{r:?}")),
+        BodyKind::WorkerUpsert => p.worker_upsert(body).map(|r| format!("{r:?}")),
+        BodyKind::WorkerPatch => p.worker_patch(body).map(|r| format!("{r:?}")),
+        BodyKind::PeerEndpoint => p.peer_endpoint(body).map(|r| format!("{r:?}")),
+    }
+}
+
+/// Fuzz-target body: no panic, sane error positions, scalar == SIMD.
+pub fn fuzz_body(kind: BodyKind, body: &[u8]) {
+    let limits = ParseLimits {
+        max_depth: DEFAULT_MAX_DEPTH,
+        max_tokens: 1 << 16,
+    };
+    let scalar = Parser::new(limits, Pool::new(4, 1 << 16), Pool::new(4, 1 << 16))
+        .with_number_path(NumberPath::Scalar);
+    let simd = scalar.clone().with_number_path(NumberPath::Simd);
+    let a = parse_debug(&scalar, kind, body);
+    let b = parse_debug(&simd, kind, body);
+    assert_eq!(a, b, "scalar and SIMD token loops disagree");
+    if let Err(e) = &a {
+        assert!(e.offset <= body.len(), "error offset past the body: {e:?}");
+        assert!(e.line >= 1);
+        assert!(!e.message.is_empty());
+    }
+}
+
+// ---- the serde_json oracle for /select ---------------------------------
+
+#[derive(Deserialize, Debug)]
+struct RefSessionContext {
+    session_id: String,
+    parent_session_id: Option<String>,
+    session_final: Option<bool>,
+    input_trigger: Option<RefTrigger>,
+}
+
+#[derive(Deserialize, Debug, PartialEq)]
+#[serde(rename_all = "snake_case")]
+enum RefTrigger {
+    UserMessage,
+    ToolResult,
+    Other,
+}
+
+#[derive(Deserialize, Debug)]
+struct RefOverride {
+    overlap_score_credit: Option<f64>,
+    prefill_load_scale: Option<f64>,
+    overlap_score_weight: Option<f64>,
+    router_temperature: Option<f64>,
+    assume_kv_reuse: Option<bool>,
+    track_prefill_tokens: Option<bool>,
+    shared_cache_multiplier: Option<f64>,
+}
+
+#[derive(Deserialize, Debug)]
+struct RefPinned {
+    worker_id: u64,
+    dp_rank: u32,
+}
+
+#[derive(Deserialize, Debug)]
+struct RefAffinity {
+    worker_id: u64,
+    dp_rank: Option<u32>,
+}
+
+#[derive(Deserialize, Debug)]
+struct RefConstraints {
+    #[serde(default)]
+    required_taints: Vec<String>,
+    #[serde(default)]
+    preferred_taints: HashMap<String, f32>,
+}
+
+#[derive(Deserialize, Debug)]
+struct RefMmObject {
+    mm_hash: u64,
+    #[allow(dead_code)]
+    offsets: Vec<(usize, usize)>,
+}
+
+#[derive(Deserialize, Debug)]
+struct RefBlockInfo {
+    mm_objects: Vec<RefMmObject>,
+}
+
+#[derive(Deserialize, Debug)]
+struct RefMm {
+    routing_token_ids: Option<Vec<u32>>,
+    block_mm_infos: Option<Vec<Option<RefBlockInfo>>>,
+}
+
+/// The /select body as one flat serde struct.
+#[derive(Deserialize, Debug)]
+struct RefSelect {
+    model_name: Option<String>,
+    routing_group: Option<String>,
+    selection_id: Option<String>,
+    session_id: Option<String>,
+    session_context: Option<RefSessionContext>,
+    router_config_override: Option<RefOverride>,
+    expected_output_tokens: Option<u32>,
+    priority_jump: Option<f64>,
+    strict_priority: Option<u32>,
+    pinned_worker: Option<RefPinned>,
+    affinity_target: Option<RefAffinity>,
+    allowed_worker_ids: Option<Vec<u64>>,
+    routing_constraints: Option<RefConstraints>,
+    advisory: Option<bool>,
+    token_ids: Option<Vec<u32>>,
+    mm_routing_info: Option<RefMm>,
+    block_mm_infos: Option<Vec<Option<RefBlockInfo>>>,
+    block_hashes: Option<Vec<i64>>,
+    sequence_hashes: Option<Vec<i64>>,
+    isl_tokens: Option<usize>,
+    lora_name: Option<String>,
+    cache_salt: Option<String>,
+    is_eagle: Option<bool>,
+}
+
+fn override_ok(o: &RefOverride) -> bool {
+    let ok = |v: Option<f64>| v.is_none_or(|v| v.is_finite() && v >= 0.0);
+    ok(o.overlap_score_credit)
+        && ok(o.prefill_load_scale)
+        && ok(o.overlap_score_weight)
+        && ok(o.router_temperature)
+        && o.shared_cache_multiplier
+            .is_none_or(|v| (0.0..=1.0).contains(&v))
+}
+
+/// The oracle's verdict on a /select body.
+fn reference(body: &[u8]) -> Result<RefSelect, ErrorClass> {
+    if serde_json::from_slice::<serde_json::Value>(body).is_err() {
+        return Err(ErrorClass::Syntax);
+    }
+    // serde would read a struct from an array positionally; the API (and we)
+    // only take objects.
+    if body
+        .iter()
+        .find(|b| !b" \t\r\n".contains(b))
+        .is_some_and(|&b| b != b'{')
+    {
+        return Err(ErrorClass::Shape);
+    }
+    match serde_json::from_slice::<RefSelect>(body) {
+        Ok(r) => match &r.router_config_override {
+            Some(o) if !override_ok(o) => Err(ErrorClass::Shape),
+            _ => Ok(r),
+        },
+        Err(e) => Err(match e.classify() {
+            serde_json::error::Category::Data => ErrorClass::Shape,
+            _ => ErrorClass::Syntax,
+        }),
+    }
+}
+
+fn feq(a: Option<f64>, b: Option<f64>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(x), Some(y)) => x == y || (x - y).abs() <= 1e-12 * x.abs().max(y.abs()),
+        _ => false,
+    }
+}
+
+fn s<'a>(v: &'a Option<Str<'_>>) -> Option<&'a str> {
+    v.as_deref()
+}
+
+fn mm_infos(v: &Option<Vec<Option<RefBlockInfo>>>) -> Option<Vec<Option<Vec<u64>>>> {
+    v.as_ref().map(|v| {
+        v.iter()
+            .map(|b| {
+                b.as_ref()
+                    .map(|b| b.mm_objects.iter().map(|o| o.mm_hash).collect())
+            })
+            .collect()
+    })
+}
+
+fn hashes(v: &Option<Vec<i64>>) -> Option<Vec<u64>> {
+    v.as_ref().map(|v| v.iter().map(|&h| h as u64).collect())
+}
+
+/// Differential check of one /select body: panics (with both verdicts) when
+/// our parser and the serde_json oracle disagree on the class or on a value.
+pub fn differential_select(body: &[u8]) {
+    let parser = Parser::default();
+    let ours = parser.select(body, SelectKind::Select);
+    let want = reference(body);
+    let (ours, want) = match (ours, want) {
+        (Err(e), Err(class)) => {
+            assert_eq!(e.class, class, "class differs: ours {e:?}");
+            return;
+        }
+        (Ok(o), Ok(w)) => (o, w),
+        (o, w) => panic!("verdicts differ: ours {o:?}, oracle {w:?}"),
+    };
+    let p = &ours.prompt;
+    assert_eq!(s(&ours.model_name), want.model_name.as_deref());
+    assert_eq!(s(&ours.routing_group), want.routing_group.as_deref());
+    assert_eq!(s(&ours.selection_id), want.selection_id.as_deref());
+    assert_eq!(s(&ours.session_id), want.session_id.as_deref());
+    match (&ours.session_context, &want.session_context) {
+        (None, None) => {}
+        (Some(a), Some(b)) => {
+            assert_eq!(a.session_id, b.session_id);
+            assert_eq!(s(&a.parent_session_id), b.parent_session_id.as_deref());
+            assert_eq!(a.session_final, b.session_final);
+            let t = a.input_trigger.map(|t| match t {
+                InputTrigger::UserMessage => RefTrigger::UserMessage,
+                InputTrigger::ToolResult => RefTrigger::ToolResult,
+                InputTrigger::Other => RefTrigger::Other,
+            });
+            assert_eq!(t, b.input_trigger);
+        }
+        (a, b) => panic!("session_context differs: {a:?} vs {b:?}"),
+    }
+    match (&ours.router_config_override, &want.router_config_override) {
+        (None, None) => {}
+        (Some(a), Some(b)) => {
+            assert!(feq(a.overlap_score_credit, b.overlap_score_credit));
+            assert!(feq(a.prefill_load_scale, b.prefill_load_scale));
+            assert!(feq(a.overlap_score_weight, b.overlap_score_weight));
+            assert!(feq(a.router_temperature, b.router_temperature));
+            assert!(feq(a.shared_cache_multiplier, b.shared_cache_multiplier));
+            assert_eq!(a.assume_kv_reuse, b.assume_kv_reuse);
+            assert_eq!(a.track_prefill_tokens, b.track_prefill_tokens);
+        }
+        (a, b) => panic!("router_config_override differs: {a:?} vs {b:?}"),
+    }
+    assert_eq!(ours.expected_output_tokens, want.expected_output_tokens);
+    assert!(feq(ours.priority_jump, want.priority_jump));
+    assert_eq!(ours.strict_priority, want.strict_priority);
+    assert_eq!(
+        ours.pinned_worker.map(|w| (w.worker_id, w.dp_rank)),
+        want.pinned_worker
+            .as_ref()
+            .map(|w| (w.worker_id, w.dp_rank))
+    );
+    assert_eq!(
+        ours.affinity_target.map(|w| (w.worker_id, w.dp_rank)),
+        want.affinity_target
+            .as_ref()
+            .map(|w| (w.worker_id, w.dp_rank))
+    );
+    assert_eq!(ours.allowed_worker_ids, want.allowed_worker_ids);
+    match (&ours.routing_constraints, &want.routing_constraints) {
+        (None, None) => {}
+        (Some(a), Some(b)) => {
+            let req: Vec<&str> = a.required_taints.iter().map(|t| &**t).collect();
+            assert_eq!(req, b.required_taints);
+            assert_eq!(a.preferred_taints.len(), b.preferred_taints.len());
+            for (k, w) in &a.preferred_taints {
+                assert_eq!(b.preferred_taints.get(&**k), Some(w));
+            }
+        }
+        (a, b) => panic!("routing_constraints differs: {a:?} vs {b:?}"),
+    }
+    assert_eq!(ours.advisory, want.advisory);
+    assert_eq!(
+        p.token_ids.as_deref().map(|v| &v[..]),
+        want.token_ids.as_deref()
+    );
+    match (&p.mm_routing_info, &want.mm_routing_info) {
+        (None, None) => {}
+        (Some(a), Some(b)) => {
+            assert_eq!(
+                a.routing_token_ids.as_deref().map(|v| &v[..]),
+                b.routing_token_ids.as_deref()
+            );
+            assert_eq!(a.block_mm_infos, mm_infos(&b.block_mm_infos));
+        }
+        (a, b) => panic!("mm_routing_info differs: {a:?} vs {b:?}"),
+    }
+    assert_eq!(p.block_mm_infos, mm_infos(&want.block_mm_infos));
+    assert_eq!(
+        p.block_hashes.as_deref().cloned(),
+        hashes(&want.block_hashes)
+    );
+    assert_eq!(
+        p.sequence_hashes.as_deref().cloned(),
+        hashes(&want.sequence_hashes)
+    );
+    assert_eq!(p.isl_tokens, want.isl_tokens.map(|v| v as u64));
+    assert_eq!(s(&p.lora_name), want.lora_name.as_deref());
+    assert_eq!(s(&p.cache_salt), want.cache_salt.as_deref());
+    assert_eq!(p.is_eagle, want.is_eagle);
+}

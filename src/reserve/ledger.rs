@@ -1,0 +1,993 @@
+//! The reservation index and the active load it implies (spec §4.9–§4.12, §6.3, §6.4).
+//!
+//! A booking puts one selection id on one (worker, dp rank) with a list of
+//! identities (sequence hashes, or random ones) and optionally some prefill
+//! tokens. Per rank the ledger keeps:
+//!
+//! * `active_requests` — live bookings on the rank;
+//! * `prefill_tokens` — booked prefill not yet marked prefill-complete;
+//! * `decode_blocks` — the weighted number of DISTINCT identities active on the
+//!   rank, rounded. Two identical prompts on one rank share their blocks; each
+//!   (identity, rank) has a refcount and a weight (1.0 unless an
+//!   `output_block` call with `decay_fraction` re-weighted it).
+//!
+//! Layout (three sharded structures and a slot allocator):
+//!
+//! * `bookings`: id -> booking, sharded by a hash of the id. Holding a booking
+//!   shard lock while applying or removing a booking's effects makes each
+//!   booking's lifecycle (book, prefill_complete, output_block, free)
+//!   serial, and makes "claim the id" and "apply the load" one atomic step.
+//! * `ranks`: WorkerRank -> counters (atomics) plus a dense `slot` number. A
+//!   rank's entry exists while it has live bookings; its slot is then reused.
+//! * `idents`: identity -> the slots holding it, each with refcount and weight.
+//!   This global index is what makes [`Ledger::new_blocks`] cost
+//!   O(identities + hits) instead of O(ranks x identities).
+//!
+//! Lock order: booking shard -> rank shard -> slot allocator, and booking
+//! shard -> identity shard. [`Ledger::new_blocks`] and [`Ledger::loads`] take
+//! rank and identity shards one at a time. No lock is held while calling code
+//! outside this module, and no guard is returned.
+//!
+//! Exactness: every counter is a sum of per-booking (or per-(identity, rank))
+//! contributions, and each contribution is changed only under the lock that
+//! owns it, so the totals are exact and never transiently negative; readers
+//! may observe a booking half-applied.
+//!
+//! Weights are fixed point (`WEIGHT_ONE` = 1.0) so that adding and removing
+//! the same blocks returns the sum to exactly zero, which `f64` would not.
+
+use std::cell::RefCell;
+use std::collections::hash_map::Entry as MapEntry;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
+
+use super::ident::{mix, shard_of, IdentBuild};
+use super::ReserveError;
+use crate::index::WorkerRank;
+
+/// Bookings older than this are force-expired by [`Ledger::sweep_expired`]
+/// (the selection doc's `DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS` default).
+pub const DEFAULT_BOOKING_EXPIRY: Duration = Duration::from_secs(300);
+
+const BOOKING_SHARDS: usize = 64;
+const RANK_SHARDS: usize = 64;
+const IDENT_SHARDS: usize = 256;
+
+/// Fixed-point 1.0 for block weights (24 fractional bits: exact for the
+/// dyadic fractions clients use, ~6e-8 resolution otherwise).
+const WEIGHT_ONE: u32 = 1 << 24;
+const NO_QUERY: u32 = u32::MAX;
+
+/// What to book: one id on one rank.
+#[derive(Debug, Clone, Copy)]
+pub struct Booking<'a> {
+    pub selection_id: &'a str,
+    pub wr: WorkerRank,
+    /// Identities (sequence hashes or random ones) of the prompt's full blocks.
+    pub identities: &'a [u64],
+    /// Prefill tokens to book; 0 = none booked.
+    pub prefill_tokens: u64,
+    pub now: Instant,
+}
+
+/// A booking as seen from outside (returned by lookup and free).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BookingInfo {
+    pub wr: WorkerRank,
+    /// Prompt identities booked (as given, duplicates included).
+    pub identities: usize,
+    /// Synthetic output blocks added by `output_block`.
+    pub output_blocks: usize,
+    /// Prefill tokens still outstanding (0 after prefill_complete).
+    pub prefill_tokens: u64,
+    /// Prefill tokens booked originally.
+    pub booked_prefill_tokens: u64,
+    pub booked_at: Instant,
+}
+
+/// Current active load of one rank (the `/loads` row).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RankLoad {
+    pub prefill_tokens: u64,
+    /// Weighted distinct active blocks, rounded half away from zero.
+    pub decode_blocks: u64,
+    pub active_requests: u64,
+}
+
+/// Sizes of the internal maps, for metrics and for tests that check that
+/// everything drains back to empty.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LedgerStats {
+    pub bookings: usize,
+    pub ranks: usize,
+    /// Distinct identities active on at least one rank.
+    pub identities: usize,
+    pub slots_in_use: usize,
+}
+
+/// Reservation index + active load. See the module docs.
+pub struct Ledger {
+    expiry: Duration,
+    key: u64,
+    bookings: Box<[BookingShard]>,
+    ranks: Box<[RankShard]>,
+    idents: Box<[IdentShard]>,
+    slots: Mutex<SlotAlloc>,
+}
+
+type BookingShard = Mutex<HashMap<Box<str>, Entry>>;
+type RankShard = RwLock<HashMap<WorkerRank, Arc<RankCell>>>;
+type IdentShard = Mutex<HashMap<u64, Holders, IdentBuild>>;
+
+struct Entry {
+    wr: WorkerRank,
+    cell: Arc<RankCell>,
+    /// Prompt identities followed by output identities; the order matters for
+    /// the "exclusive suffix" walk of `decay_fraction`.
+    blocks: Vec<u64>,
+    prompt_len: usize,
+    prefill: u64,
+    booked_prefill: u64,
+    booked_at: Instant,
+}
+
+impl Entry {
+    fn info(&self) -> BookingInfo {
+        BookingInfo {
+            wr: self.wr,
+            identities: self.prompt_len,
+            output_blocks: self.blocks.len() - self.prompt_len,
+            prefill_tokens: self.prefill,
+            booked_prefill_tokens: self.booked_prefill,
+            booked_at: self.booked_at,
+        }
+    }
+}
+
+struct RankCell {
+    slot: u32,
+    /// Changed only under the rank shard lock (read lock to increment an
+    /// existing cell, write lock to decrement), so "reached zero -> remove the
+    /// cell" cannot race with a new booking.
+    requests: AtomicU64,
+    prefill: AtomicU64,
+    /// Sum of the weights of the distinct identities held, in WEIGHT_ONE units.
+    weighted: AtomicU64,
+}
+
+impl RankCell {
+    fn load(&self) -> RankLoad {
+        let w = self.weighted.load(Ordering::Relaxed);
+        RankLoad {
+            prefill_tokens: self.prefill.load(Ordering::Relaxed),
+            decode_blocks: w.saturating_add(u64::from(WEIGHT_ONE / 2)) / u64::from(WEIGHT_ONE),
+            active_requests: self.requests.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[derive(Default)]
+struct SlotAlloc {
+    next: u32,
+    free: Vec<u32>,
+}
+
+#[derive(Clone, Copy)]
+struct Holder {
+    slot: u32,
+    refs: u32,
+    weight: u32,
+}
+
+/// The ranks (by slot) holding one identity. Most identities are held by one
+/// rank, so that case is inline; otherwise columns sorted by slot, so the
+/// `new_blocks` scan reads a dense `u32` array.
+enum Holders {
+    One(Holder),
+    Many(Box<ManyHolders>),
+}
+
+struct ManyHolders {
+    slots: Vec<u32>,
+    refs: Vec<u32>,
+    weights: Vec<u32>,
+}
+
+enum Release {
+    Kept,
+    Removed { weight: u32, empty: bool },
+    Absent,
+}
+
+impl Holders {
+    fn new(slot: u32) -> Holders {
+        Holders::One(Holder {
+            slot,
+            refs: 1,
+            weight: WEIGHT_ONE,
+        })
+    }
+
+    fn slots(&self) -> &[u32] {
+        match self {
+            Holders::One(h) => std::slice::from_ref(&h.slot),
+            Holders::Many(m) => &m.slots,
+        }
+    }
+
+    /// Adds one reference from `slot`; true if `slot` was not holding it yet.
+    fn acquire(&mut self, slot: u32) -> bool {
+        match self {
+            Holders::One(h) if h.slot == slot => {
+                // 2^32 holds of one identity on one rank would need >32 GiB of
+                // bookings; saturating keeps a bug from wrapping to zero.
+                h.refs = h.refs.saturating_add(1);
+                false
+            }
+            Holders::One(h) => {
+                let (a, b) = if h.slot < slot {
+                    (*h, Holder::new_ref(slot))
+                } else {
+                    (Holder::new_ref(slot), *h)
+                };
+                *self = Holders::Many(Box::new(ManyHolders {
+                    slots: vec![a.slot, b.slot],
+                    refs: vec![a.refs, b.refs],
+                    weights: vec![a.weight, b.weight],
+                }));
+                true
+            }
+            Holders::Many(m) => match m.slots.binary_search(&slot) {
+                Ok(i) => {
+                    m.refs[i] = m.refs[i].saturating_add(1);
+                    false
+                }
+                Err(i) => {
+                    m.slots.insert(i, slot);
+                    m.refs.insert(i, 1);
+                    m.weights.insert(i, WEIGHT_ONE);
+                    true
+                }
+            },
+        }
+    }
+
+    /// Drops one reference from `slot`.
+    fn release(&mut self, slot: u32) -> Release {
+        match self {
+            Holders::One(h) if h.slot == slot => {
+                if h.refs > 1 {
+                    h.refs -= 1;
+                    Release::Kept
+                } else {
+                    Release::Removed {
+                        weight: h.weight,
+                        empty: true,
+                    }
+                }
+            }
+            Holders::One(_) => Release::Absent,
+            Holders::Many(m) => {
+                let Ok(i) = m.slots.binary_search(&slot) else {
+                    return Release::Absent;
+                };
+                if m.refs[i] > 1 {
+                    m.refs[i] -= 1;
+                    return Release::Kept;
+                }
+                let weight = m.weights[i];
+                m.slots.remove(i);
+                m.refs.remove(i);
+                m.weights.remove(i);
+                if m.slots.len() == 1 {
+                    *self = Holders::One(Holder {
+                        slot: m.slots[0],
+                        refs: m.refs[0],
+                        weight: m.weights[0],
+                    });
+                }
+                Release::Removed {
+                    weight,
+                    empty: false,
+                }
+            }
+        }
+    }
+
+    /// Sets the weight of `slot`'s hold if `slot` is its only holder
+    /// reference; returns the old weight.
+    fn reweight_if_exclusive(&mut self, slot: u32, weight: u32) -> Option<u32> {
+        let (refs, w) = match self {
+            Holders::One(h) if h.slot == slot => (h.refs, &mut h.weight),
+            Holders::One(_) => return None,
+            Holders::Many(m) => {
+                let i = m.slots.binary_search(&slot).ok()?;
+                (m.refs[i], &mut m.weights[i])
+            }
+        };
+        if refs != 1 {
+            return None;
+        }
+        Some(std::mem::replace(w, weight))
+    }
+}
+
+impl Holder {
+    fn new_ref(slot: u32) -> Holder {
+        Holder {
+            slot,
+            refs: 1,
+            weight: WEIGHT_ONE,
+        }
+    }
+}
+
+thread_local! {
+    /// slot -> index into the `ranks` argument of `new_blocks` (NO_QUERY
+    /// otherwise). Reset after every call; kept to avoid a per-call allocation.
+    /// Also the slots of the queried ranks, to reset the table afterwards.
+    static SLOT_TABLE: RefCell<(Vec<u32>, Vec<u32>)> =
+        const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+fn weight_fp(f: f64) -> Option<u32> {
+    if f.is_nan() {
+        return None;
+    }
+    Some((f.clamp(0.0, 1.0) * f64::from(WEIGHT_ONE)).round() as u32)
+}
+
+impl Default for Ledger {
+    fn default() -> Self {
+        Ledger::new(DEFAULT_BOOKING_EXPIRY)
+    }
+}
+
+impl Ledger {
+    pub fn new(expiry: Duration) -> Ledger {
+        fn shards<T: Default>(n: usize) -> Box<[T]> {
+            (0..n).map(|_| T::default()).collect()
+        }
+        let key = rand::random::<u64>();
+        Ledger {
+            expiry,
+            key,
+            bookings: shards(BOOKING_SHARDS),
+            ranks: shards(RANK_SHARDS),
+            idents: (0..IDENT_SHARDS)
+                .map(|_| Mutex::new(HashMap::with_hasher(IdentBuild { key })))
+                .collect(),
+            slots: Mutex::new(SlotAlloc::default()),
+        }
+    }
+
+    pub fn expiry(&self) -> Duration {
+        self.expiry
+    }
+
+    fn booking_shard(&self, id: &str) -> &BookingShard {
+        let h = xxhash_rust::xxh3::xxh3_64(id.as_bytes());
+        &self.bookings[(h >> 58) as usize & (BOOKING_SHARDS - 1)]
+    }
+
+    fn rank_shard(&self, wr: WorkerRank) -> &RankShard {
+        let m = mix(
+            wr.worker_id ^ u64::from(wr.dp_rank).rotate_left(32),
+            self.key,
+        );
+        &self.ranks[shard_of(m, RANK_SHARDS)]
+    }
+
+    fn ident_shard(&self, x: u64) -> &IdentShard {
+        &self.idents[shard_of(mix(x, self.key), IDENT_SHARDS)]
+    }
+
+    /// Atomically claims `b.selection_id` and applies its load.
+    pub fn book(&self, b: Booking<'_>) -> Result<(), ReserveError> {
+        let shard = self.booking_shard(b.selection_id);
+        let mut g = shard.lock();
+        if g.contains_key(b.selection_id) {
+            return Err(ReserveError::Duplicate);
+        }
+        let cell = self.acquire_rank(b.wr);
+        cell.prefill.fetch_add(b.prefill_tokens, Ordering::Relaxed);
+        for &x in b.identities {
+            self.hold(x, &cell);
+        }
+        g.insert(
+            b.selection_id.into(),
+            Entry {
+                wr: b.wr,
+                cell,
+                blocks: b.identities.to_vec(),
+                prompt_len: b.identities.len(),
+                prefill: b.prefill_tokens,
+                booked_prefill: b.prefill_tokens,
+                booked_at: b.now,
+            },
+        );
+        Ok(())
+    }
+
+    pub fn is_booked(&self, id: &str) -> bool {
+        self.booking_shard(id).lock().contains_key(id)
+    }
+
+    pub fn lookup(&self, id: &str) -> Option<BookingInfo> {
+        self.booking_shard(id).lock().get(id).map(Entry::info)
+    }
+
+    /// Removes the booking's outstanding prefill tokens. Idempotent.
+    pub fn prefill_complete(&self, id: &str) -> Result<(), ReserveError> {
+        let mut g = self.booking_shard(id).lock();
+        let e = g.get_mut(id).ok_or(ReserveError::NotFound)?;
+        if e.prefill > 0 {
+            e.cell.prefill.fetch_sub(e.prefill, Ordering::Relaxed);
+            e.prefill = 0;
+        }
+        Ok(())
+    }
+
+    /// Adds one synthetic output block (random identity) to the booking. With
+    /// `Some(f)` (the caller validated `0.0..=1.0`; out-of-range values are
+    /// clamped and NaN is ignored) the booking's exclusive suffix — walking
+    /// back from its newest block while no other booking on the rank holds the
+    /// block — is re-weighted to `f`, as Dynamo does.
+    pub fn output_block(&self, id: &str, decay_fraction: Option<f64>) -> Result<(), ReserveError> {
+        let x = rand::random::<u64>();
+        let mut g = self.booking_shard(id).lock();
+        let e = g.get_mut(id).ok_or(ReserveError::NotFound)?;
+        self.hold(x, &e.cell);
+        e.blocks.push(x);
+        if let Some(w) = decay_fraction.and_then(weight_fp) {
+            for &b in e.blocks.iter().rev() {
+                if !self.reweight_if_exclusive(b, &e.cell, w) {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees everything the booking holds.
+    pub fn free(&self, id: &str) -> Result<BookingInfo, ReserveError> {
+        let mut g = self.booking_shard(id).lock();
+        let e = g.remove(id).ok_or(ReserveError::NotFound)?;
+        self.unload(&e);
+        Ok(e.info())
+    }
+
+    pub fn rank_load(&self, wr: WorkerRank) -> RankLoad {
+        self.rank_shard(wr)
+            .read()
+            .get(&wr)
+            .map(|c| c.load())
+            .unwrap_or_default()
+    }
+
+    /// One [`RankLoad`] per rank of `ranks`, in order.
+    pub fn loads(&self, ranks: &[WorkerRank], out: &mut Vec<RankLoad>) {
+        out.clear();
+        out.extend(ranks.iter().map(|&wr| self.rank_load(wr)));
+    }
+
+    /// For each rank of `ranks`, how many of `identities` (assumed distinct)
+    /// are not active on it. Cost O(ranks + identities + hits): each identity
+    /// is looked up once in the global index and its holders are counted
+    /// against the queried ranks.
+    pub fn new_blocks(&self, ranks: &[WorkerRank], identities: &[u64], out: &mut Vec<u64>) {
+        out.clear();
+        out.resize(ranks.len(), identities.len() as u64);
+        if ranks.is_empty() || identities.is_empty() {
+            return;
+        }
+        SLOT_TABLE.with(|t| {
+            let (table, qslots) = &mut *t.borrow_mut();
+            qslots.clear();
+            let mut any = false;
+            for (i, &wr) in ranks.iter().enumerate() {
+                let Some(slot) = self.slot_of(wr) else {
+                    qslots.push(NO_QUERY);
+                    continue;
+                };
+                qslots.push(slot);
+                let s = slot as usize;
+                if s >= table.len() {
+                    table.resize(s + 1, NO_QUERY);
+                }
+                // A rank listed twice keeps its first index; copied below.
+                if table[s] == NO_QUERY {
+                    table[s] = i as u32;
+                }
+                any = true;
+            }
+            if any {
+                for &x in identities {
+                    let g = self.ident_shard(x).lock();
+                    let Some(h) = g.get(&x) else {
+                        continue;
+                    };
+                    for &s in h.slots() {
+                        if let Some(&qi) = table.get(s as usize) {
+                            if qi != NO_QUERY {
+                                let o = &mut out[qi as usize];
+                                *o = o.saturating_sub(1);
+                            }
+                        }
+                    }
+                }
+            }
+            for (i, &s) in qslots.iter().enumerate() {
+                if s != NO_QUERY {
+                    let first = table[s as usize] as usize;
+                    if first != i {
+                        out[i] = out[first];
+                    }
+                }
+            }
+            for &s in qslots.iter() {
+                if s != NO_QUERY {
+                    table[s as usize] = NO_QUERY;
+                }
+            }
+        });
+    }
+
+    /// Drops every booking on any rank of `worker_id`; returns how many.
+    pub fn drop_worker(&self, worker_id: u64) -> usize {
+        self.drop_where(|e| e.wr.worker_id == worker_id)
+    }
+
+    /// Drops every booking on `wr`; returns how many.
+    pub fn drop_rank(&self, wr: WorkerRank) -> usize {
+        self.drop_where(|e| e.wr == wr)
+    }
+
+    /// Drops bookings at least `expiry` old at `now`; returns how many.
+    pub fn sweep_expired(&self, now: Instant) -> usize {
+        let expiry = self.expiry;
+        self.drop_where(|e| now.saturating_duration_since(e.booked_at) >= expiry)
+    }
+
+    pub fn stats(&self) -> LedgerStats {
+        let slots = self.slots.lock();
+        let slots_in_use = slots.next as usize - slots.free.len();
+        drop(slots);
+        LedgerStats {
+            bookings: self.bookings.iter().map(|s| s.lock().len()).sum(),
+            ranks: self.ranks.iter().map(|s| s.read().len()).sum(),
+            identities: self.idents.iter().map(|s| s.lock().len()).sum(),
+            slots_in_use,
+        }
+    }
+
+    fn drop_where(&self, pred: impl Fn(&Entry) -> bool) -> usize {
+        let mut n = 0;
+        for shard in self.bookings.iter() {
+            shard.lock().retain(|_, e| {
+                if pred(e) {
+                    self.unload(e);
+                    n += 1;
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+        n
+    }
+
+    fn slot_of(&self, wr: WorkerRank) -> Option<u32> {
+        self.rank_shard(wr).read().get(&wr).map(|c| c.slot)
+    }
+
+    /// Gets (or creates) the rank's cell and counts one more request on it.
+    fn acquire_rank(&self, wr: WorkerRank) -> Arc<RankCell> {
+        let shard = self.rank_shard(wr);
+        if let Some(c) = shard.read().get(&wr) {
+            c.requests.fetch_add(1, Ordering::Relaxed);
+            return Arc::clone(c);
+        }
+        let mut g = shard.write();
+        let c = g.entry(wr).or_insert_with(|| {
+            Arc::new(RankCell {
+                slot: self.alloc_slot(),
+                requests: AtomicU64::new(0),
+                prefill: AtomicU64::new(0),
+                weighted: AtomicU64::new(0),
+            })
+        });
+        c.requests.fetch_add(1, Ordering::Relaxed);
+        Arc::clone(c)
+    }
+
+    /// Counts one request less; the last one removes the cell and frees its
+    /// slot (by then the bookings on it have released all their blocks).
+    fn release_rank(&self, wr: WorkerRank, cell: &Arc<RankCell>) {
+        let mut g = self.rank_shard(wr).write();
+        if cell.requests.fetch_sub(1, Ordering::Relaxed) == 1
+            && g.get(&wr).is_some_and(|c| Arc::ptr_eq(c, cell))
+        {
+            g.remove(&wr);
+            self.slots.lock().free.push(cell.slot);
+        }
+    }
+
+    fn alloc_slot(&self) -> u32 {
+        let mut s = self.slots.lock();
+        if let Some(slot) = s.free.pop() {
+            return slot;
+        }
+        let slot = s.next;
+        s.next += 1;
+        slot
+    }
+
+    fn hold(&self, x: u64, cell: &RankCell) {
+        let mut g = self.ident_shard(x).lock();
+        let new = match g.entry(x) {
+            MapEntry::Vacant(v) => {
+                v.insert(Holders::new(cell.slot));
+                true
+            }
+            MapEntry::Occupied(mut o) => o.get_mut().acquire(cell.slot),
+        };
+        if new {
+            cell.weighted
+                .fetch_add(u64::from(WEIGHT_ONE), Ordering::Relaxed);
+        }
+    }
+
+    fn unhold(&self, x: u64, cell: &RankCell) {
+        let mut g = self.ident_shard(x).lock();
+        let MapEntry::Occupied(mut o) = g.entry(x) else {
+            debug_assert!(false, "released identity not held");
+            return;
+        };
+        match o.get_mut().release(cell.slot) {
+            Release::Kept => {}
+            Release::Removed { weight, empty } => {
+                if empty {
+                    o.remove();
+                }
+                cell.weighted
+                    .fetch_sub(u64::from(weight), Ordering::Relaxed);
+            }
+            Release::Absent => debug_assert!(false, "released identity not held by rank"),
+        }
+    }
+
+    fn reweight_if_exclusive(&self, x: u64, cell: &RankCell, w: u32) -> bool {
+        let mut g = self.ident_shard(x).lock();
+        let Some(old) = g
+            .get_mut(&x)
+            .and_then(|h| h.reweight_if_exclusive(cell.slot, w))
+        else {
+            return false;
+        };
+        if w >= old {
+            cell.weighted
+                .fetch_add(u64::from(w - old), Ordering::Relaxed);
+        } else {
+            cell.weighted
+                .fetch_sub(u64::from(old - w), Ordering::Relaxed);
+        }
+        true
+    }
+
+    /// Removes all effects of a booking (called with its booking shard locked).
+    fn unload(&self, e: &Entry) {
+        for &x in &e.blocks {
+            self.unhold(x, &e.cell);
+        }
+        if e.prefill > 0 {
+            e.cell.prefill.fetch_sub(e.prefill, Ordering::Relaxed);
+        }
+        self.release_rank(e.wr, &e.cell);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const R200: WorkerRank = WorkerRank {
+        worker_id: 200,
+        dp_rank: 0,
+    };
+    const R201: WorkerRank = WorkerRank {
+        worker_id: 201,
+        dp_rank: 0,
+    };
+    const R202: WorkerRank = WorkerRank {
+        worker_id: 202,
+        dp_rank: 0,
+    };
+    /// Stand-ins for the 64-token prompt's four sequence hashes (spec §5.4 #1).
+    const PROMPT: [u64; 4] = [
+        -1583300653928780152i64 as u64,
+        -5980354406663771828i64 as u64,
+        960926348267535642,
+        4923844688253642376,
+    ];
+
+    fn load(p: u64, d: u64, a: u64) -> RankLoad {
+        RankLoad {
+            prefill_tokens: p,
+            decode_blocks: d,
+            active_requests: a,
+        }
+    }
+
+    fn book(
+        l: &Ledger,
+        id: &str,
+        wr: WorkerRank,
+        ids: &[u64],
+        prefill: u64,
+    ) -> Result<(), ReserveError> {
+        l.book(Booking {
+            selection_id: id,
+            wr,
+            identities: ids,
+            prefill_tokens: prefill,
+            now: Instant::now(),
+        })
+    }
+
+    fn new_blocks(l: &Ledger, ranks: &[WorkerRank], ids: &[u64]) -> Vec<u64> {
+        let mut out = vec![99; 3];
+        l.new_blocks(ranks, ids, &mut out);
+        out
+    }
+
+    #[test]
+    fn spec_6_4_lifecycle_table() {
+        let l = Ledger::default();
+        // before
+        assert_eq!(l.rank_load(R200), load(0, 0, 0));
+        // select_and_reserve r1 (effective_prefill 16: 200 caches 3 of 4 blocks)
+        book(&l, "r1", R200, &PROMPT, 16).unwrap();
+        assert_eq!(l.rank_load(R200), load(16, 4, 1));
+        // potential_loads for the same prompt = active + this prompt's part:
+        // prefill active + (isl - cached), decode active + new blocks.
+        let nb = new_blocks(&l, &[R200, R201, R202], &PROMPT);
+        assert_eq!(nb, vec![0, 4, 4]);
+        let cached = [48u64, 16, 0]; // 200: 3 blocks, 201: 1, 202: none
+        let mut loads = Vec::new();
+        l.loads(&[R200, R201, R202], &mut loads);
+        let potential: Vec<(u64, u64)> = (0..3)
+            .map(|i| {
+                (
+                    loads[i].prefill_tokens + (64 - cached[i]),
+                    loads[i].decode_blocks + nb[i],
+                )
+            })
+            .collect();
+        assert_eq!(potential, vec![(32, 4), (48, 4), (64, 4)]);
+        // prefill_complete r1
+        l.prefill_complete("r1").unwrap();
+        assert_eq!(l.rank_load(R200), load(0, 4, 1));
+        // prefill_complete again: ok, unchanged
+        l.prefill_complete("r1").unwrap();
+        assert_eq!(l.rank_load(R200), load(0, 4, 1));
+        // output_block {}
+        l.output_block("r1", None).unwrap();
+        assert_eq!(l.rank_load(R200), load(0, 5, 1));
+        // output_block {"decay_fraction":0.5}: 6 exclusive blocks x 0.5
+        l.output_block("r1", Some(0.5)).unwrap();
+        assert_eq!(l.rank_load(R200), load(0, 3, 1));
+        let info = l.lookup("r1").unwrap();
+        assert_eq!((info.identities, info.output_blocks), (4, 2));
+        // DELETE r1
+        let freed = l.free("r1").unwrap();
+        assert_eq!(freed.wr, R200);
+        assert_eq!(l.rank_load(R200), load(0, 0, 0));
+        // DELETE r1 again
+        assert_eq!(l.free("r1"), Err(ReserveError::NotFound));
+        assert_eq!(l.stats(), LedgerStats::default());
+    }
+
+    #[test]
+    fn identical_prompts_share_blocks_but_not_prefill_or_requests() {
+        let l = Ledger::default();
+        book(&l, "a", R200, &PROMPT, 16).unwrap();
+        book(&l, "b", R200, &PROMPT, 24).unwrap();
+        assert_eq!(l.rank_load(R200), load(40, 4, 2));
+        l.free("a").unwrap();
+        assert_eq!(l.rank_load(R200), load(24, 4, 1));
+        l.free("b").unwrap();
+        assert_eq!(l.stats(), LedgerStats::default());
+    }
+
+    #[test]
+    fn ids_are_global_and_claimed_once() {
+        let l = Ledger::default();
+        book(&l, "x", R200, &PROMPT, 0).unwrap();
+        assert_eq!(book(&l, "x", R201, &[], 5), Err(ReserveError::Duplicate));
+        // The refused booking left no trace.
+        assert_eq!(l.rank_load(R201), RankLoad::default());
+        assert!(l.is_booked("x") && !l.is_booked("y"));
+        // The empty string is a legal id.
+        book(&l, "", R201, &[], 0).unwrap();
+        assert_eq!(l.rank_load(R201), load(0, 0, 1));
+    }
+
+    #[test]
+    fn unknown_ids_are_not_found() {
+        let l = Ledger::default();
+        assert_eq!(l.prefill_complete("nope"), Err(ReserveError::NotFound));
+        assert_eq!(
+            l.output_block("nope", Some(0.5)),
+            Err(ReserveError::NotFound)
+        );
+        assert_eq!(l.free("nope"), Err(ReserveError::NotFound));
+        assert_eq!(l.lookup("nope"), None);
+        assert_eq!(l.stats(), LedgerStats::default());
+    }
+
+    #[test]
+    fn decay_reweights_only_the_exclusive_suffix() {
+        let l = Ledger::default();
+        book(&l, "a", R200, &[1, 2, 3, 4], 0).unwrap();
+        book(&l, "b", R200, &[1, 2, 7, 8], 0).unwrap();
+        assert_eq!(l.rank_load(R200).decode_blocks, 6);
+        // a's suffix: out, 4, 3 -> 0.5 each; 2 is shared, the walk stops.
+        // 1 + 1 + .5 + .5 + 1 + 1 + .5 = 5.5 -> 6 (half away from zero)
+        l.output_block("a", Some(0.5)).unwrap();
+        assert_eq!(l.rank_load(R200).decode_blocks, 6);
+        l.output_block("a", Some(0.25)).unwrap();
+        // out2, out1, 4, 3 at .25 = 1; plus 1, 2, 7, 8 = 5
+        assert_eq!(l.rank_load(R200).decode_blocks, 5);
+        // b gone: 1 and 2 are now a's alone but keep weight 1 until decayed.
+        l.free("b").unwrap();
+        assert_eq!(l.rank_load(R200).decode_blocks, 3);
+        l.output_block("a", Some(0.0)).unwrap();
+        assert_eq!(l.rank_load(R200).decode_blocks, 0);
+        // The same identities on ANOTHER rank are not "shared" for decay.
+        book(&l, "c", R201, &[1, 2, 3, 4], 0).unwrap();
+        l.output_block("a", Some(1.0)).unwrap();
+        assert_eq!(l.rank_load(R200).decode_blocks, 8);
+        assert_eq!(l.rank_load(R201).decode_blocks, 4);
+        l.free("a").unwrap();
+        l.free("c").unwrap();
+        assert_eq!(l.stats(), LedgerStats::default());
+    }
+
+    #[test]
+    fn decay_weight_sticks_to_a_block_that_becomes_shared() {
+        let l = Ledger::default();
+        book(&l, "a", R200, &[1, 2], 0).unwrap();
+        l.output_block("a", Some(0.5)).unwrap(); // 3 x .5 = 1.5 -> 2
+        assert_eq!(l.rank_load(R200).decode_blocks, 2);
+        book(&l, "b", R200, &[1, 2, 9], 0).unwrap(); // + 9 at 1.0 -> 2.5 -> 3
+        assert_eq!(l.rank_load(R200).decode_blocks, 3);
+        l.free("a").unwrap(); // 1, 2 at .5 + 9 = 2
+        assert_eq!(l.rank_load(R200).decode_blocks, 2);
+        l.free("b").unwrap();
+        // Re-booking starts from weight 1 again.
+        book(&l, "c", R200, &[1, 2], 0).unwrap();
+        assert_eq!(l.rank_load(R200).decode_blocks, 2);
+    }
+
+    #[test]
+    fn nan_decay_is_ignored_and_out_of_range_is_clamped() {
+        let l = Ledger::default();
+        book(&l, "a", R200, &[1, 2, 3], 0).unwrap();
+        l.output_block("a", Some(f64::NAN)).unwrap();
+        assert_eq!(l.rank_load(R200).decode_blocks, 4);
+        l.output_block("a", Some(-3.0)).unwrap();
+        assert_eq!(l.rank_load(R200).decode_blocks, 0);
+        l.output_block("a", Some(7.0)).unwrap();
+        assert_eq!(l.rank_load(R200).decode_blocks, 6);
+    }
+
+    #[test]
+    fn repeated_identity_in_one_booking_counts_once() {
+        let l = Ledger::default();
+        book(&l, "a", R200, &[5, 5, 6], 0).unwrap();
+        assert_eq!(l.rank_load(R200).decode_blocks, 2);
+        assert_eq!(new_blocks(&l, &[R200], &[5, 6, 7]), vec![1]);
+        l.free("a").unwrap();
+        assert_eq!(l.stats(), LedgerStats::default());
+    }
+
+    #[test]
+    fn new_blocks_counts_misses_per_rank() {
+        let l = Ledger::default();
+        let other = WorkerRank {
+            worker_id: 999,
+            dp_rank: 3,
+        };
+        book(&l, "a", R200, &[1, 2, 3], 0).unwrap();
+        book(&l, "b", R201, &[1, 2], 0).unwrap();
+        book(&l, "c", other, &[1, 2, 3, 4], 0).unwrap();
+        // idle rank, repeated rank, rank outside the query holding everything
+        assert_eq!(
+            new_blocks(&l, &[R200, R201, R202, R200], &[1, 2, 3, 4]),
+            vec![1, 2, 4, 1]
+        );
+        assert_eq!(new_blocks(&l, &[], &[1]), Vec::<u64>::new());
+        assert_eq!(new_blocks(&l, &[R200, R202], &[]), vec![0, 0]);
+        // Slots are reused after a rank drains; answers stay per rank.
+        l.free("a").unwrap();
+        book(&l, "d", R202, &[4], 0).unwrap();
+        assert_eq!(
+            new_blocks(&l, &[R200, R201, R202], &[1, 2, 3, 4]),
+            vec![4, 2, 3]
+        );
+    }
+
+    #[test]
+    fn drop_worker_and_rank_remove_bookings_and_load() {
+        let l = Ledger::default();
+        let r1 = WorkerRank {
+            worker_id: 200,
+            dp_rank: 1,
+        };
+        book(&l, "a", R200, &PROMPT, 10).unwrap();
+        book(&l, "b", r1, &PROMPT, 10).unwrap();
+        book(&l, "c", R201, &PROMPT, 10).unwrap();
+        assert_eq!(l.drop_rank(r1), 1);
+        assert_eq!(l.free("b"), Err(ReserveError::NotFound));
+        assert_eq!(l.rank_load(r1), RankLoad::default());
+        assert_eq!(l.drop_worker(200), 1);
+        assert_eq!(l.prefill_complete("a"), Err(ReserveError::NotFound));
+        assert_eq!(l.rank_load(R200), RankLoad::default());
+        assert_eq!(l.rank_load(R201), load(10, 4, 1));
+        assert_eq!(l.drop_worker(200), 0);
+        assert_eq!(l.drop_worker(201), 1);
+        assert_eq!(l.stats(), LedgerStats::default());
+    }
+
+    #[test]
+    fn sweep_expires_only_old_bookings() {
+        let l = Ledger::new(Duration::from_secs(300));
+        let t0 = Instant::now();
+        let b = |id, now| Booking {
+            selection_id: id,
+            wr: R200,
+            identities: &PROMPT,
+            prefill_tokens: 8,
+            now,
+        };
+        l.book(b("old", t0)).unwrap();
+        l.book(b("new", t0 + Duration::from_secs(200))).unwrap();
+        assert_eq!(l.sweep_expired(t0 + Duration::from_secs(299)), 0);
+        assert_eq!(l.sweep_expired(t0 + Duration::from_secs(300)), 1);
+        assert!(!l.is_booked("old") && l.is_booked("new"));
+        assert_eq!(l.rank_load(R200), load(8, 4, 1));
+        assert_eq!(l.sweep_expired(t0 + Duration::from_secs(500)), 1);
+        assert_eq!(l.stats(), LedgerStats::default());
+    }
+
+    #[test]
+    fn holders_promote_and_collapse() {
+        let l = Ledger::default();
+        let ranks: Vec<WorkerRank> = (0..10)
+            .map(|w| WorkerRank {
+                worker_id: w,
+                dp_rank: 0,
+            })
+            .collect();
+        for (i, &wr) in ranks.iter().enumerate().rev() {
+            book(&l, &format!("b{i}"), wr, &[42, i as u64 + 100], 0).unwrap();
+        }
+        let mut out = Vec::new();
+        l.new_blocks(&ranks, &[42], &mut out);
+        assert_eq!(out, vec![0; 10]);
+        for i in (0..10).step_by(2) {
+            l.free(&format!("b{i}")).unwrap();
+        }
+        l.new_blocks(&ranks, &[42, 105], &mut out);
+        assert_eq!(out, vec![2, 1, 2, 1, 2, 0, 2, 1, 2, 1]);
+        for i in (1..10).step_by(2) {
+            l.free(&format!("b{i}")).unwrap();
+        }
+        assert_eq!(l.stats(), LedgerStats::default());
+    }
+}

@@ -1,0 +1,357 @@
+//! Shared integration-test helpers: the real server on 127.0.0.1:0, a plain
+//! HTTP/1.1 client, and a real ZMQ PUB publishing vLLM-format KV events.
+#![allow(dead_code)]
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use kvselect::app::App;
+use kvselect::config::Config;
+use kvselect::http::Server;
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub struct TestServer {
+    pub addr: SocketAddr,
+    pub app: Arc<App>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    client: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+pub struct Resp {
+    pub status: u16,
+    pub headers: hyper::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Resp {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+    pub fn error(&self) -> String {
+        self.json()["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no error key: {}", String::from_utf8_lossy(&self.body)))
+            .to_string()
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+pub fn test_config() -> Config {
+    Config {
+        addr: "127.0.0.1:0".parse().unwrap(),
+        threads: 2,
+        ..Config::default()
+    }
+}
+
+pub async fn start() -> TestServer {
+    start_with(test_config()).await
+}
+
+pub async fn start_with(config: Config) -> TestServer {
+    let listener = tokio::net::TcpListener::bind(config.addr).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = Arc::new(App::new(config));
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = Server::new(Arc::clone(&app));
+    tokio::spawn(server.serve(listener, async move {
+        let _ = rx.await;
+    }));
+    TestServer {
+        addr,
+        app,
+        stop: Some(tx),
+        client: Client::builder(TokioExecutor::new()).build_http(),
+    }
+}
+
+impl TestServer {
+    pub async fn raw(
+        &self,
+        method: &str,
+        path: &str,
+        content_type: Option<&str>,
+        body: impl Into<Bytes>,
+    ) -> Resp {
+        let mut b = Request::builder()
+            .method(method)
+            .uri(format!("http://{}{}", self.addr, path));
+        if let Some(ct) = content_type {
+            b = b.header("content-type", ct);
+        }
+        let req = b.body(Full::new(body.into())).unwrap();
+        let resp = self.client.request(req).await.expect("request");
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        Resp {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    pub async fn get(&self, path: &str) -> Resp {
+        self.raw("GET", path, None, Bytes::new()).await
+    }
+
+    pub async fn post(&self, path: &str, body: &Value) -> Resp {
+        self.raw(
+            "POST",
+            path,
+            Some("application/json"),
+            serde_json::to_vec(body).unwrap(),
+        )
+        .await
+    }
+
+    pub async fn post_str(&self, path: &str, body: &str) -> Resp {
+        self.raw("POST", path, Some("application/json"), body.to_string())
+            .await
+    }
+
+    pub async fn send(&self, method: &str, path: &str, body: &Value) -> Resp {
+        self.raw(
+            method,
+            path,
+            Some("application/json"),
+            serde_json::to_vec(body).unwrap(),
+        )
+        .await
+    }
+
+    pub async fn delete(&self, path: &str) -> Resp {
+        self.raw("DELETE", path, None, Bytes::new()).await
+    }
+
+    /// Registers a single-rank worker whose KV endpoint is `kv` (nothing has to
+    /// listen there: SUB connects lazily).
+    pub async fn worker(&self, id: u64, model: &str, bs: u32, kv: &str) -> Value {
+        let r = self
+            .post(
+                "/workers",
+                &json!({"worker_id": id, "model_name": model, "endpoint": format!("http://w{id}"),
+                        "block_size": bs, "kv_events_endpoints": {"0": kv}}),
+            )
+            .await;
+        assert_eq!(r.status, 201, "{}", r.text());
+        let v = r.json();
+        assert_eq!(v["lifecycle"], "schedulable", "{v}");
+        v
+    }
+
+    pub async fn load_row(&self, model: &str, worker_id: u64, dp_rank: u32) -> Value {
+        let r = self.get(&format!("/loads?model_name={model}")).await;
+        assert_eq!(r.status, 200);
+        let v = r.json();
+        v[0]["loads"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|row| row["worker_id"] == worker_id && row["dp_rank"] == dp_rank)
+            .cloned()
+            .unwrap_or_else(|| panic!("no load row for {worker_id}/{dp_rank}: {v}"))
+    }
+}
+
+pub fn tokens(a: u32, b: u32) -> Vec<u32> {
+    (a..=b).collect()
+}
+
+/// A free TCP endpoint on loopback (nothing listening).
+pub fn unused_endpoint() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("tcp://{}", l.local_addr().unwrap())
+}
+
+// ----- a vLLM-format publisher over a real ZMQ PUB socket -----
+
+pub struct Publisher {
+    pub socket: zmq::Socket,
+    pub endpoint: String,
+    pub seq: u64,
+    _ctx: zmq::Context,
+}
+
+impl Publisher {
+    pub fn bind() -> Publisher {
+        let ctx = zmq::Context::new();
+        let socket = ctx.socket(zmq::PUB).unwrap();
+        socket.set_linger(0).unwrap();
+        socket.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = socket.get_last_endpoint().unwrap().unwrap();
+        Publisher {
+            socket,
+            endpoint,
+            seq: 0,
+            _ctx: ctx,
+        }
+    }
+
+    /// Sends one batch `[ts, events, dp_rank]` with the next seq.
+    pub fn send_events(&mut self, events: &[Vec<u8>], dp_rank: Option<u32>) {
+        let mut payload = Vec::new();
+        rmp::encode::write_array_len(&mut payload, 3).unwrap();
+        rmp::encode::write_f64(&mut payload, 1_700_000_000.0).unwrap();
+        rmp::encode::write_array_len(&mut payload, events.len() as u32).unwrap();
+        for e in events {
+            payload.extend_from_slice(e);
+        }
+        match dp_rank {
+            Some(r) => rmp::encode::write_uint(&mut payload, r as u64)
+                .map(|_| ())
+                .unwrap(),
+            None => rmp::encode::write_nil(&mut payload).unwrap(),
+        }
+        let seq = self.seq.to_be_bytes();
+        self.socket
+            .send_multipart([&b""[..], &seq[..], &payload[..]], 0)
+            .unwrap();
+        self.seq += 1;
+    }
+}
+
+/// vLLM 0.34 map-form BlockStored.
+pub fn stored(
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: &[u32],
+    bs: u32,
+    medium: &str,
+) -> Vec<u8> {
+    let mut b = Vec::new();
+    rmp::encode::write_map_len(&mut b, 7).unwrap();
+    rmp::encode::write_str(&mut b, "type").unwrap();
+    rmp::encode::write_str(&mut b, "BlockStored").unwrap();
+    rmp::encode::write_str(&mut b, "block_hashes").unwrap();
+    rmp::encode::write_array_len(&mut b, hashes.len() as u32).unwrap();
+    for h in hashes {
+        rmp::encode::write_uint(&mut b, *h).unwrap();
+    }
+    rmp::encode::write_str(&mut b, "parent_block_hash").unwrap();
+    match parent {
+        Some(p) => {
+            rmp::encode::write_uint(&mut b, p).unwrap();
+        }
+        None => rmp::encode::write_nil(&mut b).unwrap(),
+    }
+    rmp::encode::write_str(&mut b, "token_ids").unwrap();
+    rmp::encode::write_array_len(&mut b, tokens.len() as u32).unwrap();
+    for t in tokens {
+        rmp::encode::write_uint(&mut b, *t as u64).unwrap();
+    }
+    rmp::encode::write_str(&mut b, "block_size").unwrap();
+    rmp::encode::write_uint(&mut b, bs as u64).unwrap();
+    rmp::encode::write_str(&mut b, "lora_id").unwrap();
+    rmp::encode::write_nil(&mut b).unwrap();
+    rmp::encode::write_str(&mut b, "medium").unwrap();
+    rmp::encode::write_str(&mut b, medium).unwrap();
+    b
+}
+
+pub fn removed(hashes: &[u64], medium: &str) -> Vec<u8> {
+    let mut b = Vec::new();
+    rmp::encode::write_map_len(&mut b, 3).unwrap();
+    rmp::encode::write_str(&mut b, "type").unwrap();
+    rmp::encode::write_str(&mut b, "BlockRemoved").unwrap();
+    rmp::encode::write_str(&mut b, "block_hashes").unwrap();
+    rmp::encode::write_array_len(&mut b, hashes.len() as u32).unwrap();
+    for h in hashes {
+        rmp::encode::write_uint(&mut b, *h).unwrap();
+    }
+    rmp::encode::write_str(&mut b, "medium").unwrap();
+    rmp::encode::write_str(&mut b, medium).unwrap();
+    b
+}
+
+pub fn cleared() -> Vec<u8> {
+    let mut b = Vec::new();
+    rmp::encode::write_map_len(&mut b, 1).unwrap();
+    rmp::encode::write_str(&mut b, "type").unwrap();
+    rmp::encode::write_str(&mut b, "AllBlocksCleared").unwrap();
+    b
+}
+
+/// Polls `f` until it returns true or `timeout` passes.
+pub async fn eventually<F, Fut>(timeout: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+/// Device blocks reported for `worker_id` by /overlap_scores of `tokens`.
+pub async fn device_blocks(
+    s: &TestServer,
+    model: &str,
+    tokens: &[u32],
+    worker_id: u64,
+) -> (u64, u64, u64) {
+    let r = s
+        .post(
+            "/overlap_scores",
+            &json!({"model_name": model, "token_ids": tokens}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let row = v["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["worker_id"] == worker_id)
+        .cloned()
+        .unwrap_or(json!({"device_blocks":0,"host_pinned_blocks":0,"disk_blocks":0}));
+    (
+        row["device_blocks"].as_u64().unwrap(),
+        row["host_pinned_blocks"].as_u64().unwrap(),
+        row["disk_blocks"].as_u64().unwrap(),
+    )
+}
+
+/// Device blocks of one (worker, rank) for `tokens`, from /overlap_scores.
+pub async fn rank_blocks(
+    s: &TestServer,
+    model: &str,
+    tokens: &[u32],
+    worker_id: u64,
+    dp_rank: u32,
+) -> u64 {
+    let r = s
+        .post(
+            "/overlap_scores",
+            &json!({"model_name": model, "token_ids": tokens}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["worker_id"] == worker_id && w["dp_rank"] == dp_rank)
+        .map_or(0, |w| w["device_blocks"].as_u64().unwrap())
+}
