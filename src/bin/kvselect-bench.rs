@@ -23,7 +23,7 @@ struct Cli {
     #[arg(long, default_value = "target/release/kvselect")]
     kvselect_bin: PathBuf,
     /// Extra arguments for kvselect, whitespace separated (e.g. `--cores 1`).
-    #[arg(long, default_value = "")]
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
     kvselect_args: String,
     /// Venv of the reference (created and filled with ai-dynamo-runtime when
     /// missing).
