@@ -1,0 +1,21 @@
+//! Load harness for the issue-5 experiment: mock vLLM workers publishing real
+//! ZMQ KV events, an agentic-session load generator, and the side-by-side
+//! runner that measures kvselect and the Dynamo reference in one run.
+//!
+//! | module | owns | does NOT |
+//! |---|---|---|
+//! | `wire` | vLLM 0.34 batch/event msgpack bytes (publisher side) | decode |
+//! | `mocker` | mock workers: PUB + replay ROUTER sockets, LRU KV cache | speak HTTP |
+//! | `http` | minimal keep-alive HTTP/1.1 client | retry or pool |
+//! | `loadgen` | registration, sessions, measurements, report tables | start servers |
+//! | `bench` | spawning/pinning the servers under test, venv setup, profiles | generate load itself |
+//! | `procstat` | CPU seconds of a pid from `/proc` | anything else |
+//!
+//! Nothing here is used by the selector itself.
+
+pub mod bench;
+pub mod http;
+pub mod loadgen;
+pub mod mocker;
+pub mod procstat;
+pub mod wire;
