@@ -89,12 +89,31 @@ impl Walk {
         }
         match h {
             Holders::Dense(d) => {
-                for w in self.lo..self.hi {
-                    let (nd, nh, na) = match d.groups.get(w) {
-                        Some(g) => (g[0], g[0] | g[1], g[0] | g[1] | g[2] | g[3]),
-                        None => (0, 0, 0),
-                    };
-                    self.combine(i, w, [nd, nh, na]);
+                let (lo, hi) = (self.lo, self.hi);
+                let mid = hi.min(d.groups.len()).max(lo);
+                let [s0, s1, s2] = &mut self.set;
+                let mut changed = false;
+                // Intersect word by word; look for drop-outs only if some
+                // word changed (rare in a long shared prefix).
+                for (w, g) in d.groups[lo..mid]
+                    .iter()
+                    .enumerate()
+                    .map(|(k, g)| (lo + k, g))
+                {
+                    let nd = g[0];
+                    let nh = nd | g[1];
+                    let na = nh | g[2] | g[3];
+                    let (od, oh, oa) = (s0[w], s1[w], s2[w]);
+                    changed |= (od & !nd) | (oh & !nh) | (oa & !na) != 0;
+                }
+                if changed {
+                    for w in lo..mid {
+                        let g = d.groups[w];
+                        self.combine(i, w, [g[0], g[0] | g[1], g[0] | g[1] | g[2] | g[3]]);
+                    }
+                }
+                for w in mid..hi {
+                    self.combine(i, w, [0, 0, 0]);
                 }
             }
             _ => {
