@@ -50,6 +50,27 @@ impl Walk {
             }
     }
 
+    /// When exactly one slot is still active (list mode): that slot and the
+    /// tier mask a block must intersect for it to stay in every set it is
+    /// still in. The sets are nested, so one mask says it: device if it is
+    /// still in the device set, else device|host if in that one, else any.
+    /// A block that meets it changes nothing, so the caller may skip `step`.
+    #[inline]
+    pub(crate) fn single(&self) -> Option<(u32, u8)> {
+        if !self.listing || self.few.len() != 1 {
+            return None;
+        }
+        let (slot, state) = self.few[0];
+        let need = if state & 1 != 0 {
+            DEV
+        } else if state & 2 != 0 {
+            DEV | HOST
+        } else {
+            0xF
+        };
+        Some((slot, need))
+    }
+
     /// Applies block `i` held by `holders` (`None`: nobody holds it).
     pub(crate) fn step(&mut self, i: u32, holders: Option<&Holders>) {
         let Some(h) = holders else {
