@@ -78,6 +78,7 @@ pub struct Overlap {
     pub disk_ext: u32,
 }
 
+mod engine;
 mod holders;
 mod table;
 mod walk;
@@ -210,7 +211,7 @@ struct RankState {
     /// retries with a fresh state.
     dead: bool,
     /// Per tier: engine hash -> node key.
-    tiers: [FoldMap<u64, u64>; 4],
+    tiers: [engine::EngineMap; 4],
     /// (tier, key) -> number of engine hashes naming the key beyond the first.
     dups: FoldMap<(u8, u64), u32>,
 }
@@ -427,7 +428,7 @@ impl Index {
                 n += 1;
             }
         }
-        shrink(&mut tiers[t]);
+        tiers[t].shrink();
         n
     }
 
@@ -476,7 +477,7 @@ impl Index {
             slot, tiers, dups, ..
         } = &mut *st;
         for (t, m) in tiers.iter_mut().enumerate() {
-            for (_, key) in std::mem::take(m) {
+            for (_, key) in std::mem::take(m).iter() {
                 self.release(*slot, dups, t, key);
             }
         }
@@ -640,7 +641,7 @@ impl Index {
         // key -> engine hash, per tier (first engine hash wins for dups).
         let mut rev: [FoldMap<u64, u64>; 4] = Default::default();
         for (t, m) in st.tiers.iter().enumerate() {
-            for (&e, &k) in m {
+            for (e, k) in m.iter() {
                 rev[t].entry(k).or_insert(e);
             }
         }
@@ -650,7 +651,7 @@ impl Index {
         type Info = FoldMap<u64, (u64, Option<(usize, u64)>)>;
         let mut info: [Info; 4] = Default::default();
         for (t, m) in st.tiers.iter().enumerate() {
-            for (&e, &k) in m {
+            for (e, k) in m.iter() {
                 let Some((local, parent_key)) = self.node_info(k) else {
                     continue;
                 };
@@ -759,7 +760,6 @@ impl Index {
             s.entries += g.entries;
             s.bytes += g.nodes.bucket_bytes() + g.heap;
         }
-        let map_bucket = std::mem::size_of::<(u64, u64)>() + 1;
         let dup_bucket = std::mem::size_of::<((u8, u64), u32)>() + 1;
         let mut ranks = Vec::new();
         for sh in self.ranks.iter() {
@@ -771,11 +771,7 @@ impl Index {
             let st = r.lock();
             s.ranks += 1;
             s.bytes += std::mem::size_of::<RankState>() + 16;
-            s.bytes += st
-                .tiers
-                .iter()
-                .map(|m| m.capacity() * map_bucket)
-                .sum::<usize>();
+            s.bytes += st.tiers.iter().map(|m| m.heap_bytes()).sum::<usize>();
             s.bytes += st.dups.capacity() * dup_bucket;
         }
         let slots = self.slots.read();
