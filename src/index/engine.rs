@@ -5,8 +5,8 @@
 //! 7/16 and 7/8 (it doubles), and at 1,000 entries sits at 0.49 (35 B per
 //! entry). This table is linear probing over 16-byte (key, value) buckets
 //! with a non-power-of-two capacity (multiply-shift range reduction), so past
-//! `DOUBLE_UNTIL` buckets it grows by 1.5x and its load stays between 0.58
-//! and 0.875 (18-28 B per entry).
+//! `DOUBLE_UNTIL` buckets it grows by 1.25x and its load stays between 0.7
+//! and 0.875 (18-23 B per entry).
 //!
 //! Invariants: a bucket is vacant iff its key is 0 (the engine hash 0 is kept
 //! apart in `zero`); no vacant bucket lies between an entry's home bucket and
@@ -22,7 +22,7 @@ pub(crate) struct EngineMap {
     zero: Option<u64>,
 }
 
-/// Doubling below this many buckets (few rehashes while small), 1.5x above.
+/// Doubling below this many buckets (few rehashes while small), 1.25x above.
 const DOUBLE_UNTIL: usize = 1024;
 const MIN_CAPACITY: usize = 8;
 
@@ -92,7 +92,7 @@ impl EngineMap {
             let cap = if n < DOUBLE_UNTIL {
                 (n * 2).max(MIN_CAPACITY)
             } else {
-                n + n / 2
+                n + n / 4
             };
             self.resize(cap);
         }

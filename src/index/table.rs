@@ -111,8 +111,8 @@ pub(crate) fn prefetch_at(buckets: &[Node], i: usize) {
     // the live bucket array anyway.
     unsafe {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // A 40-byte bucket may straddle two lines, and a probe often reads
-        // the next bucket too.
+        // A probe often reads the next bucket too, which may be on the
+        // next line.
         _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
         _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(64));
     }
@@ -339,6 +339,12 @@ impl NodeTable {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn a_bucket_is_32_bytes() {
+        // Two buckets per cache line; the memory figures depend on it.
+        assert_eq!(std::mem::size_of::<Node>(), 32);
+    }
 
     #[test]
     fn matches_a_hashmap_through_growth_and_shrink() {

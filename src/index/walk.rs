@@ -108,8 +108,8 @@ impl Walk {
             }
             return;
         }
-        match h {
-            Holders::Dense(d) => {
+        match h.dense() {
+            Some(d) => {
                 let (lo, hi) = (self.lo, self.hi);
                 let mid = hi.min(d.groups.len()).max(lo);
                 let [s0, s1, s2] = &mut self.set;
@@ -137,7 +137,7 @@ impl Walk {
                     self.combine(i, w, [0, 0, 0]);
                 }
             }
-            _ => {
+            None => {
                 let (lo, hi) = (self.lo, self.hi);
                 h.for_each(|s, m| {
                     let w = s as usize / 64;
