@@ -83,9 +83,26 @@ fn grown(cap: usize) -> usize {
 #[inline]
 pub(crate) fn probe_likely(buckets: &[Node], start: usize, key: u64) -> Option<&Node> {
     let n = buckets.len();
-    let mut i = start;
+    let b0 = buckets.get(start)?;
+    // Most keys sit in their home bucket or the next one: test both without
+    // a branch between them (an unpredictable branch costs more than the
+    // second compare).
+    let b1 = &buckets[if start + 1 == n { 0 } else { start + 1 }];
+    let hit0 = (b0.key == key) & !b0.is_vacant();
+    let hit1 = (b1.key == key) & !b1.is_vacant();
+    if hit0 | hit1 {
+        return Some(if hit0 { b0 } else { b1 });
+    }
+    if b0.is_vacant() | b1.is_vacant() {
+        return None;
+    }
+    // Tables have at least `MIN_CAPACITY` buckets, so one wrap suffices.
+    let mut i = start + 2;
+    if i >= n {
+        i -= n;
+    }
     loop {
-        let b = buckets.get(i)?;
+        let b = &buckets[i];
         if b.key == key && !b.is_vacant() {
             return Some(b);
         }

@@ -28,6 +28,10 @@ pub(crate) struct Walk {
     /// is still in, as bits 0..3). The bitsets are stale from then on.
     few: Vec<(u32, u8)>,
     listing: bool,
+    /// The three active sets are equal (every active slot has matched on
+    /// device so far): then a block changes nothing iff every active slot
+    /// holds it on device, one AND-NOT per word.
+    uniform: bool,
 }
 
 /// At most this many active slots switch the walk to list mode, where a step
@@ -112,6 +116,15 @@ impl Walk {
             Some(d) => {
                 let (lo, hi) = (self.lo, self.hi);
                 let mid = hi.min(d.groups.len()).max(lo);
+                if self.uniform && mid == hi {
+                    let miss = d.groups[lo..hi]
+                        .iter()
+                        .zip(&self.set[2][lo..hi])
+                        .fold(0, |m, (g, &a)| m | (a & !g[0]));
+                    if miss == 0 {
+                        return;
+                    }
+                }
                 let [s0, s1, s2] = &mut self.set;
                 let mut changed = false;
                 // Intersect word by word; look for drop-outs only if some
@@ -167,7 +180,14 @@ impl Walk {
         while self.hi > self.lo && self.set[2][self.hi - 1] == 0 {
             self.hi -= 1;
         }
+        self.check_uniform();
         self.maybe_list();
+    }
+
+    fn check_uniform(&mut self) {
+        let [s0, s1, s2] = &self.set;
+        let r = self.lo..self.hi;
+        self.uniform = s0[r.clone()] == s2[r.clone()] && s1[r.clone()] == s2[r];
     }
 
     /// Switches to list mode once few slots are active.
@@ -245,6 +265,7 @@ impl Walk {
         while self.hi > self.lo && self.set[2][self.hi - 1] == 0 {
             self.hi -= 1;
         }
+        self.check_uniform();
     }
 
     /// Every still-active slot leaves every set at block count `len`.
