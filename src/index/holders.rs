@@ -38,16 +38,163 @@ pub(crate) struct Dense {
     pub(crate) groups: Vec<Group>,
 }
 
+/// The holder set of one node, in one word (so a node bucket is 32 bytes):
+/// - `0`: empty (a vacant bucket);
+/// - bit 0 set: inline, up to two packed entries of 31 bits each (bits 1..32
+///   and 32..63; an entry of 0 is absent; sorted by slot), for slots below
+///   2^27 (larger ones go to a list even when alone);
+/// - else a `Box<Vec<u32>>` (list form) or, with bit 1 set, a `Box<Dense>`;
+///   both are 8-byte aligned, so the low bits are free for the tag.
+///
+/// Mutations decode to `Form` (no allocation: boxes move by pointer), run the
+/// form's logic, and encode back.
+#[derive(Default)]
+pub(crate) struct Holders(u64);
+
+const INLINE: u64 = 1;
+const DENSE_TAG: u64 = 2;
+const ENTRY_BITS: u64 = 0x7FFF_FFFF;
+
+impl Drop for Holders {
+    fn drop(&mut self) {
+        drop(self.take());
+    }
+}
+
+impl std::fmt::Debug for Holders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.with(|form| form.fmt(f))
+    }
+}
+
+impl Holders {
+    /// Decodes the word, leaving `self` empty; the caller owns the boxes.
+    fn take(&mut self) -> Form {
+        let w = std::mem::take(&mut self.0);
+        if w == 0 {
+            return Form::default();
+        }
+        if w & INLINE != 0 {
+            let e = [(w >> 1 & ENTRY_BITS) as u32, (w >> 32 & ENTRY_BITS) as u32];
+            let n = (e[0] != 0) as u8 + (e[1] != 0) as u8;
+            return Form::Inline { n, e };
+        }
+        if w & DENSE_TAG != 0 {
+            // SAFETY: a word with bit 1 set and bit 0 clear was made by
+            // `put` from `Box::into_raw` of a `Box<Dense>` (8-byte aligned,
+            // so `| DENSE_TAG` lost nothing), and `self.0` was just zeroed, so
+            // this is the one owner.
+            Form::Dense(unsafe { Box::from_raw((w & !DENSE_TAG) as usize as *mut Dense) })
+        } else {
+            // SAFETY: as above, from `Box::into_raw` of a `Box<Vec<u32>>`.
+            Form::Sparse(unsafe { Box::from_raw(w as usize as *mut Vec<u32>) })
+        }
+    }
+
+    /// Encodes `form` into `self` (which must be empty).
+    fn put(&mut self, form: Form) {
+        debug_assert_eq!(self.0, 0);
+        self.0 = match form {
+            Form::Inline { n: 0, .. } => 0,
+            Form::Inline { n, e } if e[..n as usize].iter().all(|&x| x as u64 <= ENTRY_BITS) => {
+                INLINE | (e[0] as u64) << 1 | (if n == 2 { e[1] as u64 } else { 0 }) << 32
+            }
+            Form::Inline { n, e } => {
+                Box::into_raw(Box::new(e[..n as usize].to_vec())) as usize as u64
+            }
+            Form::Sparse(v) => Box::into_raw(v) as usize as u64,
+            Form::Dense(d) => Box::into_raw(d) as usize as u64 | DENSE_TAG,
+        };
+    }
+
+    /// Runs `f` on the decoded form without taking ownership.
+    fn with<R>(&self, f: impl FnOnce(&Form) -> R) -> R {
+        let mut copy = Holders(self.0);
+        // `copy` aliases our boxes: it must not drop them.
+        let form = std::mem::ManuallyDrop::new(copy.take());
+        f(&form)
+    }
+
+    /// True when no slot holds the node (the only empty form a node keeps).
+    #[inline]
+    pub(crate) fn is_inline_empty(&self) -> bool {
+        self.0 == 0
+    }
+
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.with(|f| f.is_empty())
+    }
+
+    /// Heap bytes owned (for stats).
+    pub(crate) fn heap_bytes(&self) -> usize {
+        if self.0 == 0 || self.0 & INLINE != 0 {
+            return 0;
+        }
+        self.with(|f| f.heap_bytes())
+    }
+
+    /// The bitset form, if that is the current one.
+    #[inline]
+    pub(crate) fn dense(&self) -> Option<&Dense> {
+        let w = self.0;
+        if w & (INLINE | DENSE_TAG) != DENSE_TAG {
+            return None;
+        }
+        // SAFETY: the tag says `w` is our `Box<Dense>`'s pointer (see
+        // `take`); the box lives as long as `self` is not mutated, which the
+        // returned borrow of `self` ensures.
+        Some(unsafe { &*((w & !DENSE_TAG) as usize as *const Dense) })
+    }
+
+    /// Tier mask of `slot` (0 if absent).
+    #[inline]
+    pub(crate) fn mask(&self, slot: u32) -> u8 {
+        let w = self.0;
+        if w & INLINE != 0 {
+            let (a, b) = ((w >> 1 & ENTRY_BITS) as u32, (w >> 32 & ENTRY_BITS) as u32);
+            // Absent entries are 0, whose mask bits are 0 too.
+            let ma = if a >> 4 == slot { a & 0xF } else { 0 };
+            let mb = if b >> 4 == slot { b & 0xF } else { 0 };
+            return (ma | mb) as u8;
+        }
+        if w == 0 {
+            return 0;
+        }
+        self.with(|f| f.mask(slot))
+    }
+
+    /// Sets tier bit `tier_bit` (one of the four mask bits) for `slot`.
+    pub(crate) fn set(&mut self, slot: u32, tier_bit: u8) -> Change {
+        let mut f = self.take();
+        let c = f.set(slot, tier_bit);
+        self.put(f);
+        c
+    }
+
+    /// Clears tier bit `tier_bit` of `slot`.
+    pub(crate) fn clear(&mut self, slot: u32, tier_bit: u8) -> Change {
+        let mut f = self.take();
+        let c = f.clear(slot, tier_bit);
+        self.put(f);
+        c
+    }
+
+    /// Calls `f(slot, mask)` for every holder, in slot order.
+    pub(crate) fn for_each(&self, f: impl FnMut(u32, u8)) {
+        self.with(|form| form.for_each(f))
+    }
+}
+
 #[derive(Debug)]
-pub(crate) enum Holders {
+enum Form {
     /// Up to two packed entries; `n` of `e` are used, sorted by slot.
     Inline {
         n: u8,
         e: [u32; 2],
     },
-    /// Sorted packed entries, more than two and few compared to the slot range.
-    /// Boxed on purpose: it keeps `Holders` at 16 bytes, and every node pays
-    /// for the enum while few nodes have more than two holders.
+    /// Sorted packed entries, few compared to the slot range (more than two,
+    /// unless a slot is too large for the inline word).
     #[allow(clippy::box_collection)]
     Sparse(Box<Vec<u32>>),
     Dense(Box<Dense>),
@@ -60,9 +207,9 @@ pub(crate) enum Change {
     Unchanged,
 }
 
-impl Default for Holders {
+impl Default for Form {
     fn default() -> Self {
-        Holders::Inline { n: 0, e: [0; 2] }
+        Form::Inline { n: 0, e: [0; 2] }
     }
 }
 
@@ -72,28 +219,22 @@ fn groups_for(max_slot: u32) -> usize {
     max_slot as usize / 64 + 1
 }
 
-impl Holders {
+impl Form {
     #[cfg(test)]
-    pub(crate) fn is_empty(&self) -> bool {
+    fn is_empty(&self) -> bool {
         match self {
-            Holders::Inline { n, .. } => *n == 0,
-            Holders::Sparse(v) => v.is_empty(),
-            Holders::Dense(d) => d.count == 0,
+            Form::Inline { n, .. } => *n == 0,
+            Form::Sparse(v) => v.is_empty(),
+            Form::Dense(d) => d.count == 0,
         }
     }
 
-    /// True for the empty inline form (the only empty form a node keeps).
-    #[inline]
-    pub(crate) fn is_inline_empty(&self) -> bool {
-        matches!(self, Holders::Inline { n: 0, .. })
-    }
-
     /// Heap bytes owned (for stats).
-    pub(crate) fn heap_bytes(&self) -> usize {
+    fn heap_bytes(&self) -> usize {
         match self {
-            Holders::Inline { .. } => 0,
-            Holders::Sparse(v) => std::mem::size_of::<Vec<u32>>() + v.capacity() * 4,
-            Holders::Dense(d) => {
+            Form::Inline { .. } => 0,
+            Form::Sparse(v) => std::mem::size_of::<Vec<u32>>() + v.capacity() * 4,
+            Form::Dense(d) => {
                 std::mem::size_of::<Dense>() + d.groups.capacity() * std::mem::size_of::<Group>()
             }
         }
@@ -101,18 +242,18 @@ impl Holders {
 
     /// Tier mask of `slot` (0 if absent).
     #[inline]
-    pub(crate) fn mask(&self, slot: u32) -> u8 {
+    fn mask(&self, slot: u32) -> u8 {
         match self {
-            Holders::Inline { n, e } => e[..*n as usize]
+            Form::Inline { n, e } => e[..*n as usize]
                 .iter()
                 .map(|&x| unpack(x))
                 .find(|&(s, _)| s == slot)
                 .map_or(0, |(_, m)| m),
-            Holders::Sparse(v) => match v.binary_search_by_key(&slot, |&x| x >> 4) {
+            Form::Sparse(v) => match v.binary_search_by_key(&slot, |&x| x >> 4) {
                 Ok(i) => unpack(v[i]).1,
                 Err(_) => 0,
             },
-            Holders::Dense(d) => {
+            Form::Dense(d) => {
                 let (w, b) = (slot as usize / 64, slot % 64);
                 d.groups.get(w).map_or(0, |g| {
                     (0..4).fold(0u8, |m, t| m | ((((g[t] >> b) & 1) as u8) << t))
@@ -122,10 +263,10 @@ impl Holders {
     }
 
     /// Sets tier bit `tier_bit` (one of the four mask bits) for `slot`.
-    pub(crate) fn set(&mut self, slot: u32, tier_bit: u8) -> Change {
+    fn set(&mut self, slot: u32, tier_bit: u8) -> Change {
         debug_assert!(slot <= MAX_SLOT);
         match self {
-            Holders::Inline { n, e } => {
+            Form::Inline { n, e } => {
                 let used = *n as usize;
                 for x in e[..used].iter_mut() {
                     let (s, m) = unpack(*x);
@@ -145,10 +286,10 @@ impl Holders {
                 }
                 let mut v = Vec::with_capacity(4);
                 v.extend_from_slice(&e[..]);
-                *self = Holders::Sparse(Box::new(v));
+                *self = Form::Sparse(Box::new(v));
                 self.set(slot, tier_bit)
             }
-            Holders::Sparse(v) => {
+            Form::Sparse(v) => {
                 match v.binary_search_by_key(&slot, |&x| x >> 4) {
                     Ok(i) => {
                         let (s, m) = unpack(v[i]);
@@ -171,11 +312,11 @@ impl Holders {
                         let (s, m) = unpack(x);
                         d.put(s, m);
                     }
-                    *self = Holders::Dense(Box::new(d));
+                    *self = Form::Dense(Box::new(d));
                 }
                 Change::Changed
             }
-            Holders::Dense(d) => {
+            Form::Dense(d) => {
                 let (w, b) = (slot as usize / 64, slot % 64);
                 if w >= d.groups.len() {
                     d.groups.resize(w + 1, [0; 4]);
@@ -194,9 +335,9 @@ impl Holders {
     }
 
     /// Clears tier bit `tier_bit` of `slot`.
-    pub(crate) fn clear(&mut self, slot: u32, tier_bit: u8) -> Change {
+    fn clear(&mut self, slot: u32, tier_bit: u8) -> Change {
         match self {
-            Holders::Inline { n, e } => {
+            Form::Inline { n, e } => {
                 let used = *n as usize;
                 let Some(i) = e[..used].iter().position(|&x| x >> 4 == slot) else {
                     return Change::Unchanged;
@@ -215,7 +356,7 @@ impl Holders {
                 }
                 Change::Changed
             }
-            Holders::Sparse(v) => {
+            Form::Sparse(v) => {
                 let Ok(i) = v.binary_search_by_key(&slot, |&x| x >> 4) else {
                     return Change::Unchanged;
                 };
@@ -231,7 +372,7 @@ impl Holders {
                     if v.len() <= 2 {
                         let mut e = [0; 2];
                         e[..v.len()].copy_from_slice(v);
-                        *self = Holders::Inline {
+                        *self = Form::Inline {
                             n: v.len() as u8,
                             e,
                         };
@@ -241,7 +382,7 @@ impl Holders {
                 }
                 Change::Changed
             }
-            Holders::Dense(d) => {
+            Form::Dense(d) => {
                 let (w, b) = (slot as usize / 64, slot % 64);
                 let Some(g) = d.groups.get_mut(w) else {
                     return Change::Unchanged;
@@ -263,12 +404,12 @@ impl Holders {
                     *self = if v.len() <= 2 {
                         let mut e = [0; 2];
                         e[..v.len()].copy_from_slice(&v);
-                        Holders::Inline {
+                        Form::Inline {
                             n: v.len() as u8,
                             e,
                         }
                     } else {
-                        Holders::Sparse(Box::new(v))
+                        Form::Sparse(Box::new(v))
                     };
                 }
                 Change::Changed
@@ -277,17 +418,17 @@ impl Holders {
     }
 
     /// Calls `f(slot, mask)` for every holder, in slot order.
-    pub(crate) fn for_each(&self, mut f: impl FnMut(u32, u8)) {
+    fn for_each(&self, mut f: impl FnMut(u32, u8)) {
         match self {
-            Holders::Inline { n, e } => e[..*n as usize].iter().for_each(|&x| {
+            Form::Inline { n, e } => e[..*n as usize].iter().for_each(|&x| {
                 let (s, m) = unpack(x);
                 f(s, m)
             }),
-            Holders::Sparse(v) => v.iter().for_each(|&x| {
+            Form::Sparse(v) => v.iter().for_each(|&x| {
                 let (s, m) = unpack(x);
                 f(s, m)
             }),
-            Holders::Dense(d) => d.for_each(f),
+            Form::Dense(d) => d.for_each(f),
         }
     }
 }
@@ -341,7 +482,7 @@ mod tests {
             assert_eq!(h.set(s, bit), Change::Unchanged);
             model.insert(s, bit);
         }
-        assert!(matches!(h, Holders::Dense(_)));
+        assert!(h.dense().is_some());
         assert_eq!(snapshot(&h), model);
         for s in 0..300u32 {
             assert_eq!(h.mask(s), model[&s]);
@@ -351,10 +492,28 @@ mod tests {
             model.remove(&s);
             assert_eq!(snapshot(&h), model);
         }
-        assert!(matches!(h, Holders::Inline { n: 1, .. }));
+        assert!(h.0 & INLINE != 0 && h.0 >> 32 == 0);
         assert_eq!(h.clear(299, 1 << (299 % 4)), Change::Changed);
         assert!(h.is_empty());
         assert_eq!(h.heap_bytes(), 0);
+    }
+
+    #[test]
+    fn slots_too_large_for_the_inline_word_go_to_a_list() {
+        let mut h = Holders::default();
+        let big = MAX_SLOT;
+        assert_eq!(h.set(big, HOST), Change::Changed);
+        assert!(h.0 & INLINE == 0 && h.heap_bytes() > 0);
+        assert_eq!(h.set(3, DEV), Change::Changed);
+        assert_eq!(h.set(big - 1, DEV), Change::Changed);
+        assert_eq!((h.mask(big), h.mask(3), h.mask(big - 1)), (HOST, DEV, DEV));
+        assert_eq!(h.clear(big, HOST), Change::Changed);
+        assert_eq!(h.clear(big - 1, DEV), Change::Changed);
+        // Only slot 3 is left: back to the inline word.
+        assert!(h.0 & INLINE != 0 && h.heap_bytes() == 0);
+        assert_eq!(snapshot(&h), BTreeMap::from([(3, DEV)]));
+        assert_eq!(h.clear(3, DEV), Change::Changed);
+        assert!(h.is_inline_empty());
     }
 
     #[test]

@@ -78,6 +78,7 @@ pub struct Overlap {
     pub disk_ext: u32,
 }
 
+mod engine;
 mod holders;
 mod table;
 mod walk;
@@ -210,7 +211,7 @@ struct RankState {
     /// retries with a fresh state.
     dead: bool,
     /// Per tier: engine hash -> node key.
-    tiers: [FoldMap<u64, u64>; 4],
+    tiers: [engine::EngineMap; 4],
     /// (tier, key) -> number of engine hashes naming the key beyond the first.
     dups: FoldMap<(u8, u64), u32>,
 }
@@ -427,7 +428,7 @@ impl Index {
                 n += 1;
             }
         }
-        shrink(&mut tiers[t]);
+        tiers[t].shrink();
         n
     }
 
@@ -476,7 +477,7 @@ impl Index {
             slot, tiers, dups, ..
         } = &mut *st;
         for (t, m) in tiers.iter_mut().enumerate() {
-            for (_, key) in std::mem::take(m) {
+            for (_, key) in std::mem::take(m).iter() {
                 self.release(*slot, dups, t, key);
             }
         }
@@ -547,34 +548,58 @@ impl Index {
     pub fn overlap(&self, seq_keys: &[u64], out: &mut Vec<(WorkerRank, Overlap)>) {
         out.clear();
         let mut walk = walk::Walk::new();
-        let mut guards: [Option<RwLockReadGuard<'_, NodeTable>>; NODE_SHARDS] =
-            std::array::from_fn(|_| None);
-        let mut held = 0usize;
         let mut walked = seq_keys.len();
-        for (i, &key) in seq_keys.iter().enumerate() {
-            if held >= WALK_CHUNK {
-                guards.iter_mut().for_each(|g| *g = None);
-                held = 0;
+        // Set once a single slot is left (typically the one worker holding a
+        // long tail): then a block that slot holds on a good enough tier
+        // needs no walk step at all, only one probe and one mask test.
+        let mut single: Option<(u32, u8)> = None;
+        // Home bucket of each key of the chunk, computed in one pass (the
+        // multiplies pipeline) that also takes the shard read locks needed.
+        let mut homes: Vec<usize> = Vec::with_capacity(WALK_CHUNK.min(seq_keys.len()));
+        let mut start = 0;
+        // Chunks grow from 32 to WALK_CHUNK blocks, so a walk that ends early
+        // does not pay for locking and hashing keys it never reaches.
+        let mut chunk = 32;
+        'chunks: while start < seq_keys.len() {
+            let end = (start + chunk).min(seq_keys.len());
+            chunk = (chunk * 2).min(WALK_CHUNK);
+            let keys = &seq_keys[start..end];
+            let mut guards: [Option<RwLockReadGuard<'_, NodeTable>>; NODE_SHARDS] =
+                std::array::from_fn(|_| None);
+            homes.clear();
+            for (j, &key) in keys.iter().enumerate() {
+                let s = node_shard(key);
+                let g = guards[s].get_or_insert_with(|| self.nodes[s].0.read_recursive());
+                let h = g.nodes.home_of(key);
+                if j < PREFETCH_AHEAD {
+                    table::prefetch_at(g.nodes.buckets(), h);
+                }
+                homes.push(h);
             }
-            held += 1;
-            // The keys are known in advance: fetch a later bucket while this
-            // one is worked on (the walk is bound by cache misses).
-            if let Some(&ahead) = seq_keys.get(i + PREFETCH_AHEAD) {
-                let s = node_shard(ahead);
-                guards[s]
-                    .get_or_insert_with(|| self.nodes[s].0.read_recursive())
-                    .nodes
-                    .prefetch(ahead);
+            let tables: [&[table::Node]; NODE_SHARDS] =
+                std::array::from_fn(|s| guards[s].as_ref().map_or(&[][..], |g| g.nodes.buckets()));
+            for (j, &key) in keys.iter().enumerate() {
+                // The keys are known in advance: fetch a later bucket while
+                // this one is worked on (the walk is bound by cache misses).
+                if let Some(&ahead) = keys.get(j + PREFETCH_AHEAD) {
+                    table::prefetch_at(tables[node_shard(ahead)], homes[j + PREFETCH_AHEAD]);
+                }
+                let node = table::probe_likely(tables[node_shard(key)], homes[j], key);
+                if let (Some((slot, need)), Some(n)) = (single, node) {
+                    if n.holders.mask(slot) & need != 0 {
+                        continue;
+                    }
+                }
+                let i = start + j;
+                walk.step(i as u32, node.map(|n| &n.holders));
+                if walk.done() {
+                    walked = i;
+                    break 'chunks;
+                }
+                single = walk.single();
             }
-            let s = node_shard(key);
-            let g = guards[s].get_or_insert_with(|| self.nodes[s].0.read_recursive());
-            walk.step(i as u32, g.nodes.get(key).map(|n| &n.holders));
-            if walk.done() {
-                walked = i;
-                break;
-            }
+            start = end;
         }
-        drop(guards);
         walk.end(walked as u32);
         let slots = self.slots.read();
         walk.results(|slot, [device, host_ext, disk_ext]| {
@@ -616,7 +641,7 @@ impl Index {
         // key -> engine hash, per tier (first engine hash wins for dups).
         let mut rev: [FoldMap<u64, u64>; 4] = Default::default();
         for (t, m) in st.tiers.iter().enumerate() {
-            for (&e, &k) in m {
+            for (e, k) in m.iter() {
                 rev[t].entry(k).or_insert(e);
             }
         }
@@ -626,7 +651,7 @@ impl Index {
         type Info = FoldMap<u64, (u64, Option<(usize, u64)>)>;
         let mut info: [Info; 4] = Default::default();
         for (t, m) in st.tiers.iter().enumerate() {
-            for (&e, &k) in m {
+            for (e, k) in m.iter() {
                 let Some((local, parent_key)) = self.node_info(k) else {
                     continue;
                 };
@@ -735,7 +760,6 @@ impl Index {
             s.entries += g.entries;
             s.bytes += g.nodes.bucket_bytes() + g.heap;
         }
-        let map_bucket = std::mem::size_of::<(u64, u64)>() + 1;
         let dup_bucket = std::mem::size_of::<((u8, u64), u32)>() + 1;
         let mut ranks = Vec::new();
         for sh in self.ranks.iter() {
@@ -747,11 +771,7 @@ impl Index {
             let st = r.lock();
             s.ranks += 1;
             s.bytes += std::mem::size_of::<RankState>() + 16;
-            s.bytes += st
-                .tiers
-                .iter()
-                .map(|m| m.capacity() * map_bucket)
-                .sum::<usize>();
+            s.bytes += st.tiers.iter().map(|m| m.heap_bytes()).sum::<usize>();
             s.bytes += st.dups.capacity() * dup_bucket;
         }
         let slots = self.slots.read();

@@ -73,7 +73,83 @@ fn grown(cap: usize) -> usize {
     }
 }
 
+/// Probes `buckets` (a table's bucket array) for `key` from `start` (the key's
+/// home bucket, `NodeTable::home_of`), for keys that are usually present (the
+/// overlap walk, whose first miss ends it): probes until the key or a vacant
+/// bucket without the Robin Hood distance test, which costs a hash of each
+/// resident passed. Correct because no vacant bucket lies between a node's
+/// home and its bucket (insertion and backward-shift deletion keep that), and
+/// the load stays below 1, so a vacant bucket exists.
+#[inline]
+pub(crate) fn probe_likely(buckets: &[Node], start: usize, key: u64) -> Option<&Node> {
+    let n = buckets.len();
+    let b0 = buckets.get(start)?;
+    // Most keys sit in their home bucket or the next one: test both without
+    // a branch between them (an unpredictable branch costs more than the
+    // second compare).
+    let b1 = &buckets[if start + 1 == n { 0 } else { start + 1 }];
+    let hit0 = (b0.key == key) & !b0.is_vacant();
+    let hit1 = (b1.key == key) & !b1.is_vacant();
+    if hit0 | hit1 {
+        return Some(if hit0 { b0 } else { b1 });
+    }
+    if b0.is_vacant() | b1.is_vacant() {
+        return None;
+    }
+    // Tables have at least `MIN_CAPACITY` buckets, so one wrap suffices.
+    let mut i = start + 2;
+    if i >= n {
+        i -= n;
+    }
+    loop {
+        let b = &buckets[i];
+        if b.key == key && !b.is_vacant() {
+            return Some(b);
+        }
+        if b.is_vacant() {
+            return None;
+        }
+        i += 1;
+        if i == n {
+            i = 0;
+        }
+    }
+}
+
+/// Hints the CPU to fetch bucket `i` of `buckets` (no-op when out of range).
+#[inline]
+pub(crate) fn prefetch_at(buckets: &[Node], i: usize) {
+    let p = buckets.as_ptr().wrapping_add(i);
+    if i >= buckets.len() {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetching is a hint that never faults, and `p` points into
+    // the live bucket array anyway.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // A probe often reads the next bucket too, which may be on the
+        // next line.
+        _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(64));
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 impl NodeTable {
+    /// The bucket array, for `probe_likely` / `prefetch_at`.
+    #[inline]
+    pub(crate) fn buckets(&self) -> &[Node] {
+        &self.buckets
+    }
+
+    /// Home bucket of `key` (0 for an empty table, where any probe misses).
+    #[inline]
+    pub(crate) fn home_of(&self, key: u64) -> usize {
+        home(key, self.buckets.len())
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.len
     }
@@ -131,28 +207,6 @@ impl NodeTable {
     #[inline]
     pub(crate) fn get(&self, key: u64) -> Option<&Node> {
         self.find(key).map(|i| &self.buckets[i])
-    }
-
-    /// Hints the CPU to fetch the home bucket of `key`.
-    #[inline]
-    pub(crate) fn prefetch(&self, key: u64) {
-        let n = self.buckets.len();
-        if n == 0 {
-            return;
-        }
-        let p = self.buckets[home(key, n)..].as_ptr();
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: prefetching is a hint that never faults, and `p` points into
-        // our own live allocation anyway.
-        unsafe {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            // A 40-byte bucket may straddle two lines, and a probe often
-            // reads the next bucket too.
-            _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(64));
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = p;
     }
 
     /// The node of `key`, inserted with `local` and `parent` (and no holders)
@@ -302,6 +356,12 @@ impl NodeTable {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn a_bucket_is_32_bytes() {
+        // Two buckets per cache line; the memory figures depend on it.
+        assert_eq!(std::mem::size_of::<Node>(), 32);
+    }
 
     #[test]
     fn matches_a_hashmap_through_growth_and_shrink() {

@@ -28,6 +28,10 @@ pub(crate) struct Walk {
     /// is still in, as bits 0..3). The bitsets are stale from then on.
     few: Vec<(u32, u8)>,
     listing: bool,
+    /// The three active sets are equal (every active slot has matched on
+    /// device so far): then a block changes nothing iff every active slot
+    /// holds it on device, one AND-NOT per word.
+    uniform: bool,
 }
 
 /// At most this many active slots switch the walk to list mode, where a step
@@ -48,6 +52,27 @@ impl Walk {
             } else {
                 self.lo >= self.hi
             }
+    }
+
+    /// When exactly one slot is still active (list mode): that slot and the
+    /// tier mask a block must intersect for it to stay in every set it is
+    /// still in. The sets are nested, so one mask says it: device if it is
+    /// still in the device set, else device|host if in that one, else any.
+    /// A block that meets it changes nothing, so the caller may skip `step`.
+    #[inline]
+    pub(crate) fn single(&self) -> Option<(u32, u8)> {
+        if !self.listing || self.few.len() != 1 {
+            return None;
+        }
+        let (slot, state) = self.few[0];
+        let need = if state & 1 != 0 {
+            DEV
+        } else if state & 2 != 0 {
+            DEV | HOST
+        } else {
+            0xF
+        };
+        Some((slot, need))
     }
 
     /// Applies block `i` held by `holders` (`None`: nobody holds it).
@@ -87,17 +112,45 @@ impl Walk {
             }
             return;
         }
-        match h {
-            Holders::Dense(d) => {
-                for w in self.lo..self.hi {
-                    let (nd, nh, na) = match d.groups.get(w) {
-                        Some(g) => (g[0], g[0] | g[1], g[0] | g[1] | g[2] | g[3]),
-                        None => (0, 0, 0),
-                    };
-                    self.combine(i, w, [nd, nh, na]);
+        match h.dense() {
+            Some(d) => {
+                let (lo, hi) = (self.lo, self.hi);
+                let mid = hi.min(d.groups.len()).max(lo);
+                if self.uniform && mid == hi {
+                    let miss = d.groups[lo..hi]
+                        .iter()
+                        .zip(&self.set[2][lo..hi])
+                        .fold(0, |m, (g, &a)| m | (a & !g[0]));
+                    if miss == 0 {
+                        return;
+                    }
+                }
+                let [s0, s1, s2] = &mut self.set;
+                let mut changed = false;
+                // Intersect word by word; look for drop-outs only if some
+                // word changed (rare in a long shared prefix).
+                for (w, g) in d.groups[lo..mid]
+                    .iter()
+                    .enumerate()
+                    .map(|(k, g)| (lo + k, g))
+                {
+                    let nd = g[0];
+                    let nh = nd | g[1];
+                    let na = nh | g[2] | g[3];
+                    let (od, oh, oa) = (s0[w], s1[w], s2[w]);
+                    changed |= (od & !nd) | (oh & !nh) | (oa & !na) != 0;
+                }
+                if changed {
+                    for w in lo..mid {
+                        let g = d.groups[w];
+                        self.combine(i, w, [g[0], g[0] | g[1], g[0] | g[1] | g[2] | g[3]]);
+                    }
+                }
+                for w in mid..hi {
+                    self.combine(i, w, [0, 0, 0]);
                 }
             }
-            _ => {
+            None => {
                 let (lo, hi) = (self.lo, self.hi);
                 h.for_each(|s, m| {
                     let w = s as usize / 64;
@@ -127,7 +180,14 @@ impl Walk {
         while self.hi > self.lo && self.set[2][self.hi - 1] == 0 {
             self.hi -= 1;
         }
+        self.check_uniform();
         self.maybe_list();
+    }
+
+    fn check_uniform(&mut self) {
+        let [s0, s1, s2] = &self.set;
+        let r = self.lo..self.hi;
+        self.uniform = s0[r.clone()] == s2[r.clone()] && s1[r.clone()] == s2[r];
     }
 
     /// Switches to list mode once few slots are active.
@@ -205,6 +265,7 @@ impl Walk {
         while self.hi > self.lo && self.set[2][self.hi - 1] == 0 {
             self.hi -= 1;
         }
+        self.check_uniform();
     }
 
     /// Every still-active slot leaves every set at block count `len`.
