@@ -67,7 +67,7 @@ pub(crate) fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize) -> Run
 /// Eight ASCII digits (first digit in the lowest byte, already minus `'0'`)
 /// to their value: three multiply-add steps combine pairs, quads, octets.
 #[inline(always)]
-fn swar8(x: u64) -> u64 {
+pub(crate) fn swar8(x: u64) -> u64 {
     let x = (x.wrapping_mul(10).wrapping_add(x >> 8)) & 0x00FF_00FF_00FF_00FF;
     let x = (x.wrapping_mul(100).wrapping_add(x >> 16)) & 0x0000_FFFF_0000_FFFF;
     (x.wrapping_mul(10000).wrapping_add(x >> 32)) & 0xFFFF_FFFF
