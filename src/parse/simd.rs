@@ -2,17 +2,22 @@
 //!
 //! [`u32_run`] starts at the first byte of an array element and converts
 //! elements while they have the common shape: 1 to 10 digits, no leading zero,
-//! value <= `u32::MAX`, followed by `,` (plus any whitespace) or by `]`. Per
-//! 32-byte chunk one AVX2 compare classifies every byte as digit or not; the
-//! length of each digit run is then a `trailing_zeros` on that mask, and the
-//! run is converted by a SWAR multiply on one 8-byte load. At the first element
-//! of any other shape it returns [`Run::Bail`] with the position of that
-//! element, and the scalar loop in [`super::numbers`] (which this module is
-//! property-tested against) parses it and reports the exact error.
+//! value <= `u32::MAX`, followed by `,` / `, ` or by `]`. Per 64-byte chunk two
+//! AVX2 compares give bit masks of digits, commas and spaces; the masks prove
+//! the separators valid for the whole chunk at once (every comma follows a
+//! digit, every space follows a comma), each number start is a bit, its length
+//! a `trailing_zeros`, and four numbers at a time are converted in one vector
+//! (`maddubs`/`madd`/`mul_epu32` on one 8-byte window per lane). Chunks that
+//! are not that clean go element by element (SWAR on one 8-byte load). At the
+//! first element of any other shape the run returns [`Run::Bail`] with the
+//! position of that element, and the scalar loop in [`super::numbers`] (which
+//! this module is property-tested against) parses it and reports the exact
+//! error.
 //!
-//! Invariants: no read past the body (each load is checked against
-//! `b.len()`); an element is pushed only once it is known valid; the run never
-//! pushes past `max` elements.
+//! Invariants: no read past the body (whole-chunk loads only while
+//! `p + MARGIN <= b.len()`, everything else bounds-checked); an element is
+//! kept (`set_len`) only once it is known valid; the run never pushes past
+//! `max` elements.
 
 /// Where an AVX2 run stopped.
 pub(crate) enum Run {
