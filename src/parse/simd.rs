@@ -178,127 +178,139 @@ mod avx2 {
         m
     }
 
-    /// The bulk run. Per chunk, when the bytes up to the last comma are only
-    /// digit runs separated by `,` or `, ` (checked on the masks: every comma
-    /// follows a digit, every space follows a comma), all numbers ending
-    /// before that comma are converted without a serial scan: each start bit
-    /// gives a number, its length is a `trailing_zeros`, and the numbers are
-    /// independent of each other. Other chunks go element by element
-    /// ([`step`]).
+    /// Most numbers one 64-byte block can finish: 32 runs started in it plus
+    /// the one carried in, rounded up to whole vector groups.
+    const SLOTS: usize = 36;
+
+    /// The bulk run: FIXED 64-byte blocks from the run start, so that the next
+    /// block's loads and masks do not wait for this block's numbers (the only
+    /// state carried from block to block is a few bits and the start of a
+    /// number that straddles the boundary). Per block, the masks prove the
+    /// bytes are digit runs separated by `,` or `, ` (every comma follows a
+    /// digit, every space follows a comma, nothing else); every run start is a
+    /// bit, its length a `trailing_zeros`, and the finished numbers are
+    /// converted GROUP at a time. A block with anything else goes element by
+    /// element from its first unfinished element ([`step`]); an element of
+    /// another shape ends the run at its start ([`Run::Bail`]).
     #[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
-    pub(super) unsafe fn u32_run(b: &[u8], mut p: usize, out: &mut Vec<u32>, max: usize) -> Run {
-        while p + MARGIN <= b.len() && out.len() + CHUNK / 2 <= max {
+    pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize) -> Run {
+        let mut p = i;
+        // Start of a digit run that reached the end of the previous block.
+        let mut pending: Option<usize> = None;
+        // Was the previous block's last byte a digit / a comma?
+        let mut prev_digit = 0u64;
+        let mut prev_comma = 0u64;
+        // Number starts and lane shifts of one block; unused slots keep
+        // in-bounds positions from earlier blocks (their values are dropped).
+        let mut pos = [i as u64; SLOTS];
+        let mut shift = [0i64; SLOTS];
+        while p + MARGIN <= b.len() && out.len() + SLOTS <= max {
             let m = classify(b, p);
             let other = !(m.digit | m.comma | m.space);
-            let region = if other == 0 {
-                u64::MAX
-            } else {
-                (1u64 << other.trailing_zeros()) - 1
-            };
-            let commas = m.comma & region;
-            let bulk = m.digit & 1 != 0
-                && commas != 0
-                && commas & !(m.digit << 1) == 0
-                && m.space & region & !(m.comma << 1) == 0;
-            if !bulk {
-                match step(b, p, m.digit as u32, out) {
+            if other != 0
+                || m.comma & !((m.digit << 1) | prev_digit) != 0
+                || m.space & !((m.comma << 1) | prev_comma) != 0
+            {
+                // Messy block (other whitespace, the array's end, an error):
+                // element by element from its first unfinished element.
+                let e = pending.unwrap_or(p);
+                let md = classify(b, e).digit as u32;
+                match step(b, e, md, out) {
                     Ok(np) => {
                         p = np;
+                        pending = None;
+                        prev_digit = 0;
+                        prev_comma = 0;
                         continue;
                     }
                     Err(run) => return run,
                 }
             }
-            let last_comma = 63 - commas.leading_zeros();
-            let span = if last_comma == 63 {
-                u64::MAX
-            } else {
-                (1u64 << (last_comma + 1)) - 1
-            };
-            let mut starts = m.digit & !(m.digit << 1) & span;
-            // A start '0' followed by a digit is a leading zero: stop there.
-            let bad = starts & m.zero & (m.digit >> 1);
-            if bad != 0 {
-                starts &= (bad & bad.wrapping_neg()) - 1;
-            }
             let non_digit = !m.digit;
-            out.reserve(CHUNK / 2 + GROUP);
-            let base = out.len();
-            let count = starts.count_ones() as usize;
-            let dst = out.spare_capacity_mut();
-            // Fast: groups of GROUP numbers converted together in one vector
-            // (one 8-byte window per 64-bit lane). Slots past `count` get junk
-            // that `set_len` leaves out. A run longer than 8 digits sends the
-            // chunk to the exact loop below.
-            let mut long = false;
-            let mut k = 0usize;
-            let mut rest = starts;
-            while k < count {
-                let mut win = [0i64; GROUP];
-                let mut shift = [0i64; GROUP];
-                for j in 0..GROUP {
-                    let pos = rest.trailing_zeros() as usize; // 64 once empty
-                    rest &= rest.wrapping_sub(1);
-                    let n = (non_digit >> (pos & 63)).trailing_zeros() as u64;
-                    // (An empty slot's n is junk: it is neither kept nor "long".)
-                    long |= n > 8 && pos < 64;
-                    let q = p + pos;
-                    let mut w = [0u8; 8];
-                    w.copy_from_slice(&b[q..q + 8]);
-                    win[j] = i64::from_le_bytes(w);
-                    // Shift the n digits to the top of the lane; >= 64 clears it.
-                    shift[j] = (8u64.wrapping_sub(n) << 3) as i64;
+            let mut starts = m.digit & !((m.digit << 1) | prev_digit);
+            // A run reaching the block end finishes in a later block.
+            let mut carry = None;
+            if m.digit >> 63 != 0 {
+                if starts != 0 {
+                    let last = 63 - starts.leading_zeros();
+                    starts &= !(1u64 << last);
+                    carry = Some(p + last as usize);
+                } else {
+                    carry = pending;
                 }
-                let packed = convert4(win, shift);
-                debug_assert!(k + GROUP <= dst.len());
-                // SAFETY: `reserve(CHUNK / 2 + GROUP)` left that many spare slots
-                // and k < count <= CHUNK / 2, so the 4 u32 written at k are in
-                // the spare capacity; unaligned store.
-                unsafe { _mm_storeu_si128(dst.as_mut_ptr().add(k) as *mut __m128i, packed) };
-                k += GROUP;
             }
-            if !long {
-                // SAFETY: slots base..base + count were written above (k >= count).
+            // A leading '0' followed by a digit, inside the block.
+            let mut odd = starts & m.zero & (m.digit >> 1) != 0;
+            let mut count = 0usize;
+            if let (Some(q), true) = (pending, non_digit != 0) {
+                let n = p + non_digit.trailing_zeros() as usize - q;
+                odd |= n > 8 || (n > 1 && b[q] == b'0');
+                pos[0] = q as u64;
+                shift[0] = (8u64.wrapping_sub(n as u64) << 3) as i64;
+                count = 1;
+            }
+            let mut rest = starts;
+            while rest != 0 {
+                let at = rest.trailing_zeros() as usize;
+                rest &= rest - 1;
+                let n = (non_digit >> at).trailing_zeros() as u64;
+                odd |= n > 8;
+                // count < SLOTS: at most 32 runs start in 64 bytes, plus one.
+                pos[count] = (p + at) as u64;
+                shift[count] = (8u64.wrapping_sub(n) << 3) as i64;
+                count += 1;
+            }
+            out.reserve(SLOTS);
+            let base = out.len();
+            // SAFETY: `reserve(SLOTS)` guarantees SLOTS spare slots past `len`.
+            let dst = unsafe { out.as_mut_ptr().add(base) };
+            if !odd {
+                let mut k = 0usize;
+                while k < count {
+                    let mut win = [0i64; GROUP];
+                    for j in 0..GROUP {
+                        let q = pos[k + j] as usize;
+                        let mut w = [0u8; 8];
+                        w.copy_from_slice(&b[q..q + 8]);
+                        win[j] = i64::from_le_bytes(w);
+                    }
+                    let sh = [shift[k], shift[k + 1], shift[k + 2], shift[k + 3]];
+                    let packed = convert4(win, sh);
+                    // SAFETY: k + GROUP <= SLOTS (count <= 33, SLOTS = 36) and
+                    // SLOTS slots past `base` are reserved; unaligned store.
+                    unsafe { _mm_storeu_si128(dst.add(k) as *mut __m128i, packed) };
+                    k += GROUP;
+                }
+                // SAFETY: slots base..base + count were written above.
                 unsafe { out.set_len(base + count) };
             } else {
-                let mut k = 0usize;
-                while starts != 0 {
-                    let pos = starts.trailing_zeros() as usize;
-                    starts &= starts - 1;
-                    let n = (non_digit >> pos).trailing_zeros() as usize;
-                    let q = p + pos;
-                    let value = if n <= 10 {
-                        digits_value(b, q, n)
+                // Exact, in order: the first element of another shape ends
+                // the run with the elements before it kept.
+                for k in 0..count {
+                    let q = pos[k] as usize;
+                    let n = 8 - (shift[k] >> 3);
+                    let value = if (1..=10).contains(&n) && (n == 1 || b[q] != b'0') {
+                        digits_value(b, q, n as usize)
                     } else {
                         u64::MAX
                     };
                     if value > u32::MAX as u64 {
-                        // SAFETY: the first k slots past `base` were written below.
+                        // SAFETY: slots base..base + k were written below.
                         unsafe { out.set_len(base + k) };
                         return Run::Bail(q);
                     }
-                    // At most CHUNK / 2 starts fit in CHUNK bytes and room for
-                    // CHUNK / 2 + GROUP was reserved, so k < dst.len().
-                    dst[k].write(value as u32);
-                    k += 1;
+                    // SAFETY: k < count <= SLOTS, reserved above.
+                    unsafe { dst.add(k).write(value as u32) };
                 }
-                // SAFETY: slots base..base + k were initialised in the loop above.
-                unsafe { out.set_len(base + k) };
+                // SAFETY: slots base..base + count were written in the loop.
+                unsafe { out.set_len(base + count) };
             }
-            if bad != 0 {
-                return Run::Bail(p + bad.trailing_zeros() as usize);
-            }
-            // The next element starts after the last comma and its space
-            // (read from the mask, not memory: this is the serial step).
-            let after = last_comma as usize + 1;
-            let space_after = if after < CHUNK {
-                (m.space >> after) as usize & 1
-            } else {
-                (b[p + after] == b' ') as usize
-            };
-            p += after + space_after;
+            pending = carry;
+            prev_digit = m.digit >> 63;
+            prev_comma = m.comma >> 63;
+            p += CHUNK;
         }
-        Run::Bail(p)
+        Run::Bail(pending.unwrap_or(p))
     }
 
     /// Element-by-element conversion within one chunk, for chunks with other
