@@ -373,4 +373,62 @@ mod tests {
         }
         assert_eq!(digits_value(b"0000000000", 0, 1), 0);
     }
+
+    /// Every block alignment (the padding shifts the array start) and a
+    /// refused element at many positions, including across block
+    /// boundaries: the AVX2 run must give exactly the scalar loop's result.
+    #[test]
+    fn fixed_blocks_equal_scalar_at_every_alignment() {
+        use crate::parse::oracle::{parse_debug, BodyKind};
+        use crate::parse::{NumberPath, Parser};
+        let scalar = Parser::default().with_number_path(NumberPath::Scalar);
+        let simd = Parser::default().with_number_path(NumberPath::Simd);
+        let ids: Vec<String> = (0..120u64)
+            .map(|k| {
+                // Mostly 1-7 digits (the vector path), a 10-digit id now and
+                // then (the exact path).
+                let digits = if k % 37 == 36 { 10 } else { k % 7 + 1 };
+                ((k * 2_654_435_761) % 10u64.pow(digits as u32) % (1 << 32)).to_string()
+            })
+            .collect();
+        let odd = [
+            "0123",
+            "-5",
+            "1.5",
+            "4294967296",
+            "12345678901",
+            "00",
+            " 7",
+            "\n7",
+            "",
+            "1e3",
+            "99999999999999999999999",
+            "4294967295",
+            " ]",
+        ];
+        let mut checked_ok = 0;
+        for pad in 0..64 {
+            for at in 0..60 {
+                for o in odd.iter().take(if at == 0 { 1 } else { odd.len() }) {
+                    let mut elems = ids.clone();
+                    if at > 0 {
+                        elems[at] = o.to_string();
+                    }
+                    let body = format!(
+                        r#"{{"model_name":"{}","routing_group":"d","token_ids":[{}]}}"#,
+                        "m".repeat(pad),
+                        elems.join(if pad % 2 == 0 { "," } else { ", " })
+                    );
+                    let want = parse_debug(&scalar, BodyKind::Select, body.as_bytes());
+                    checked_ok += want.is_ok() as usize;
+                    assert_eq!(
+                        want,
+                        parse_debug(&simd, BodyKind::Select, body.as_bytes()),
+                        "{body}"
+                    );
+                }
+            }
+        }
+        assert!(checked_ok > 64, "{checked_ok}");
+    }
 }
