@@ -2,17 +2,22 @@
 //!
 //! [`u32_run`] starts at the first byte of an array element and converts
 //! elements while they have the common shape: 1 to 10 digits, no leading zero,
-//! value <= `u32::MAX`, followed by `,` / `, ` or by `]`. Per 64-byte chunk two
-//! AVX2 compares give bit masks of digits, commas and spaces; the masks prove
-//! the separators valid for the whole chunk at once (every comma follows a
-//! digit, every space follows a comma), each number start is a bit, its length
-//! a `trailing_zeros`, and four numbers at a time are converted in one vector
-//! (`maddubs`/`madd`/`mul_epu32` on one 8-byte window per lane). Chunks that
-//! are not that clean go element by element (SWAR on one 8-byte load). At the
-//! first element of any other shape the run returns [`Run::Bail`] with the
-//! position of that element, and the scalar loop in [`super::numbers`] (which
-//! this module is property-tested against) parses it and reports the exact
-//! error.
+//! value <= `u32::MAX`, followed by `,` / `, ` or by `]`. It walks FIXED
+//! 64-byte blocks from its start, so a block's loads and masks never wait for
+//! the previous block's numbers: the only state carried across a boundary is
+//! whether the last byte was a digit / a comma and the start of a number that
+//! straddles it. Per block, AVX2 compares give bit masks of digits, commas,
+//! spaces and zeros; the masks prove the separators valid for the whole block
+//! (every comma follows a digit, every space follows a comma, nothing else),
+//! each number start is a bit, its length a `trailing_zeros`, and four numbers
+//! at a time are converted in one vector (`maddubs`/`madd`/`mul_epu32` on one
+//! 8-byte window per lane) and stored straight into reserved capacity. Blocks
+//! that are not that clean (other whitespace, the array's end) go element by
+//! element (SWAR on one 8-byte load). At the first element of any other shape
+//! (leading zero, > 8 digits goes to an exact check first, sign, `.`, ...) the
+//! run returns [`Run::Bail`] with the position of that element, and the scalar
+//! loop in [`super::numbers`] (which this module is tested against) parses it
+//! and reports the exact error.
 //!
 //! Invariants: no read past the body (whole-chunk loads only while
 //! `p + MARGIN <= b.len()`, everything else bounds-checked); an element is
@@ -106,9 +111,7 @@ mod avx2 {
     /// Bytes that must follow a chunk start so that a digit run found in the
     /// chunk (<= 32 bytes), its SWAR load (8) and its separator stay in bounds.
     const MARGIN: usize = 128;
-    /// Bytes classified per iteration (one bit each in a u64 mask). Wide, so
-    /// that the serial step from one chunk to the next (which depends on where
-    /// the last comma was) is paid once per ~9 realistic ids.
+    /// Bytes classified per block (one bit each in a u64 mask).
     const CHUNK: usize = 64;
     /// Numbers converted per vector (one 64-bit lane each).
     const GROUP: usize = 4;
