@@ -18,7 +18,7 @@ use kvselect::pool::Pool;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const VOCAB: u32 = 151_936;
 
@@ -133,22 +133,44 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-/// Median time of `f` on `b` over `rounds` rounds of `iters` calls each.
+/// This thread's CPU time in ns (wall time on a shared machine measures the
+/// scheduler as much as the parser).
+fn thread_cpu_ns() -> u128 {
+    #[repr(C)]
+    struct Timespec {
+        tv_sec: i64,
+        tv_nsec: i64,
+    }
+    extern "C" {
+        fn clock_gettime(clock: i32, tp: *mut Timespec) -> i32;
+    }
+    const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
+    let mut t = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a valid pointer.
+    unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    t.tv_sec as u128 * 1_000_000_000 + t.tv_nsec as u128
+}
+
+/// Median CPU time of `f` on `b` over `rounds` rounds of `iters` calls each.
 fn median_ns(f: &mut dyn FnMut(&[u8]) -> usize, b: &[u8], iters: u32, rounds: usize) -> f64 {
     let mut t: Vec<f64> = (0..rounds)
         .map(|_| {
-            let start = Instant::now();
+            let start = thread_cpu_ns();
             for _ in 0..iters {
                 black_box(f(black_box(b)));
             }
-            start.elapsed().as_nanos() as f64 / iters as f64
+            (thread_cpu_ns() - start) as f64 / iters as f64
         })
         .collect();
     t.sort_by(f64::total_cmp);
     t[rounds / 2]
 }
 
-/// ns per token and ratio to serde_json typed, all contenders in one run.
+/// ns per token and ratio to serde_json typed, all contenders in one run
+/// (thread CPU time, median of 7 rounds).
 fn summary() {
     let mut cases = contenders();
     println!("\nsummary: ns/token, GB/s, ratio = serde_json_typed time / contender time");

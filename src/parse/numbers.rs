@@ -28,6 +28,32 @@ fn too_large(offset: usize, max: usize) -> Box<super::cursor::Fail> {
 /// "not the common case"; `*i` is then unspecified.
 #[inline(always)]
 fn scalar_u32(b: &[u8], i: &mut usize) -> Option<u32> {
+    // Up to 7 digits (every realistic token id): find the run length and
+    // convert it with one 8-byte word (SWAR, no per-digit loop).
+    let q = *i;
+    if let Some(w) = b.get(q..q + 8) {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(w);
+        let x = u64::from_le_bytes(a);
+        // A byte is a digit iff its high nibble is 3 and stays 3 after +6.
+        // (A carry out of a byte >= 0xFA only disturbs bytes after a
+        // non-digit, which are not looked at.)
+        const HI: u64 = 0xF0F0_F0F0_F0F0_F0F0;
+        const THREES: u64 = 0x3030_3030_3030_3030;
+        let non_digit =
+            ((x & HI) ^ THREES) | ((x.wrapping_add(0x0606_0606_0606_0606) & HI) ^ THREES);
+        let n = (non_digit.trailing_zeros() / 8) as usize; // 8 if all digits
+        if (1..=7).contains(&n) {
+            if (n > 1 && x as u8 == b'0') || matches!(b[q + n], b'.' | b'e' | b'E') {
+                return None;
+            }
+            *i = q + n;
+            return Some(simd::swar8(x.wrapping_sub(THREES) << (8 * (8 - n))) as u32);
+        }
+        if n == 0 {
+            return None;
+        }
+    }
     let c = *b.get(*i)?;
     let mut v = c.wrapping_sub(b'0') as u64;
     if v > 9 {

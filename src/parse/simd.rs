@@ -2,17 +2,27 @@
 //!
 //! [`u32_run`] starts at the first byte of an array element and converts
 //! elements while they have the common shape: 1 to 10 digits, no leading zero,
-//! value <= `u32::MAX`, followed by `,` (plus any whitespace) or by `]`. Per
-//! 32-byte chunk one AVX2 compare classifies every byte as digit or not; the
-//! length of each digit run is then a `trailing_zeros` on that mask, and the
-//! run is converted by a SWAR multiply on one 8-byte load. At the first element
-//! of any other shape it returns [`Run::Bail`] with the position of that
-//! element, and the scalar loop in [`super::numbers`] (which this module is
-//! property-tested against) parses it and reports the exact error.
+//! value <= `u32::MAX`, followed by `,` / `, ` or by `]`. It walks FIXED
+//! 64-byte blocks from its start, so a block's loads and masks never wait for
+//! the previous block's numbers: the only state carried across a boundary is
+//! whether the last byte was a digit / a comma and the start of a number that
+//! straddles it. Per block, AVX2 compares give bit masks of digits, commas,
+//! spaces and zeros; the masks prove the separators valid for the whole block
+//! (every comma follows a digit, every space follows a comma, nothing else),
+//! each number start is a bit, its length a `trailing_zeros`, and four numbers
+//! at a time are converted in one vector (`maddubs`/`madd`/`mul_epu32` on one
+//! 8-byte window per lane) and stored straight into reserved capacity. Blocks
+//! that are not that clean (other whitespace, the array's end) go element by
+//! element (SWAR on one 8-byte load). At the first element of any other shape
+//! (leading zero, > 8 digits goes to an exact check first, sign, `.`, ...) the
+//! run returns [`Run::Bail`] with the position of that element, and the scalar
+//! loop in [`super::numbers`] (which this module is tested against) parses it
+//! and reports the exact error.
 //!
-//! Invariants: no read past the body (each load is checked against
-//! `b.len()`); an element is pushed only once it is known valid; the run never
-//! pushes past `max` elements.
+//! Invariants: no read past the body (whole-chunk loads only while
+//! `p + MARGIN <= b.len()`, everything else bounds-checked); an element is
+//! kept (`set_len`) only once it is known valid; the run never pushes past
+//! `max` elements.
 
 /// Where an AVX2 run stopped.
 pub(crate) enum Run {
@@ -67,7 +77,7 @@ pub(crate) fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize) -> Run
 /// Eight ASCII digits (first digit in the lowest byte, already minus `'0'`)
 /// to their value: three multiply-add steps combine pairs, quads, octets.
 #[inline(always)]
-fn swar8(x: u64) -> u64 {
+pub(crate) fn swar8(x: u64) -> u64 {
     let x = (x.wrapping_mul(10).wrapping_add(x >> 8)) & 0x00FF_00FF_00FF_00FF;
     let x = (x.wrapping_mul(100).wrapping_add(x >> 16)) & 0x0000_FFFF_0000_FFFF;
     (x.wrapping_mul(10000).wrapping_add(x >> 32)) & 0xFFFF_FFFF
@@ -101,9 +111,7 @@ mod avx2 {
     /// Bytes that must follow a chunk start so that a digit run found in the
     /// chunk (<= 32 bytes), its SWAR load (8) and its separator stay in bounds.
     const MARGIN: usize = 128;
-    /// Bytes classified per iteration (one bit each in a u64 mask). Wide, so
-    /// that the serial step from one chunk to the next (which depends on where
-    /// the last comma was) is paid once per ~9 realistic ids.
+    /// Bytes classified per block (one bit each in a u64 mask).
     const CHUNK: usize = 64;
     /// Numbers converted per vector (one 64-bit lane each).
     const GROUP: usize = 4;
@@ -173,127 +181,139 @@ mod avx2 {
         m
     }
 
-    /// The bulk run. Per chunk, when the bytes up to the last comma are only
-    /// digit runs separated by `,` or `, ` (checked on the masks: every comma
-    /// follows a digit, every space follows a comma), all numbers ending
-    /// before that comma are converted without a serial scan: each start bit
-    /// gives a number, its length is a `trailing_zeros`, and the numbers are
-    /// independent of each other. Other chunks go element by element
-    /// ([`step`]).
+    /// Most numbers one 64-byte block can finish: 32 runs started in it plus
+    /// the one carried in, rounded up to whole vector groups.
+    const SLOTS: usize = 36;
+
+    /// The bulk run: FIXED 64-byte blocks from the run start, so that the next
+    /// block's loads and masks do not wait for this block's numbers (the only
+    /// state carried from block to block is a few bits and the start of a
+    /// number that straddles the boundary). Per block, the masks prove the
+    /// bytes are digit runs separated by `,` or `, ` (every comma follows a
+    /// digit, every space follows a comma, nothing else); every run start is a
+    /// bit, its length a `trailing_zeros`, and the finished numbers are
+    /// converted GROUP at a time. A block with anything else goes element by
+    /// element from its first unfinished element ([`step`]); an element of
+    /// another shape ends the run at its start ([`Run::Bail`]).
     #[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
-    pub(super) unsafe fn u32_run(b: &[u8], mut p: usize, out: &mut Vec<u32>, max: usize) -> Run {
-        while p + MARGIN <= b.len() && out.len() + CHUNK / 2 <= max {
+    pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize) -> Run {
+        let mut p = i;
+        // Start of a digit run that reached the end of the previous block.
+        let mut pending: Option<usize> = None;
+        // Was the previous block's last byte a digit / a comma?
+        let mut prev_digit = 0u64;
+        let mut prev_comma = 0u64;
+        // Number starts and lane shifts of one block; unused slots keep
+        // in-bounds positions from earlier blocks (their values are dropped).
+        let mut pos = [i as u64; SLOTS];
+        let mut shift = [0i64; SLOTS];
+        while p + MARGIN <= b.len() && out.len() + SLOTS <= max {
             let m = classify(b, p);
             let other = !(m.digit | m.comma | m.space);
-            let region = if other == 0 {
-                u64::MAX
-            } else {
-                (1u64 << other.trailing_zeros()) - 1
-            };
-            let commas = m.comma & region;
-            let bulk = m.digit & 1 != 0
-                && commas != 0
-                && commas & !(m.digit << 1) == 0
-                && m.space & region & !(m.comma << 1) == 0;
-            if !bulk {
-                match step(b, p, m.digit as u32, out) {
+            if other != 0
+                || m.comma & !((m.digit << 1) | prev_digit) != 0
+                || m.space & !((m.comma << 1) | prev_comma) != 0
+            {
+                // Messy block (other whitespace, the array's end, an error):
+                // element by element from its first unfinished element.
+                let e = pending.unwrap_or(p);
+                let md = classify(b, e).digit as u32;
+                match step(b, e, md, out) {
                     Ok(np) => {
                         p = np;
+                        pending = None;
+                        prev_digit = 0;
+                        prev_comma = 0;
                         continue;
                     }
                     Err(run) => return run,
                 }
             }
-            let last_comma = 63 - commas.leading_zeros();
-            let span = if last_comma == 63 {
-                u64::MAX
-            } else {
-                (1u64 << (last_comma + 1)) - 1
-            };
-            let mut starts = m.digit & !(m.digit << 1) & span;
-            // A start '0' followed by a digit is a leading zero: stop there.
-            let bad = starts & m.zero & (m.digit >> 1);
-            if bad != 0 {
-                starts &= (bad & bad.wrapping_neg()) - 1;
-            }
             let non_digit = !m.digit;
-            out.reserve(CHUNK / 2 + GROUP);
-            let base = out.len();
-            let count = starts.count_ones() as usize;
-            let dst = out.spare_capacity_mut();
-            // Fast: groups of GROUP numbers converted together in one vector
-            // (one 8-byte window per 64-bit lane). Slots past `count` get junk
-            // that `set_len` leaves out. A run longer than 8 digits sends the
-            // chunk to the exact loop below.
-            let mut long = false;
-            let mut k = 0usize;
-            let mut rest = starts;
-            while k < count {
-                let mut win = [0i64; GROUP];
-                let mut shift = [0i64; GROUP];
-                for j in 0..GROUP {
-                    let pos = rest.trailing_zeros() as usize; // 64 once empty
-                    rest &= rest.wrapping_sub(1);
-                    let n = (non_digit >> (pos & 63)).trailing_zeros() as u64;
-                    // (An empty slot's n is junk: it is neither kept nor "long".)
-                    long |= n > 8 && pos < 64;
-                    let q = p + pos;
-                    let mut w = [0u8; 8];
-                    w.copy_from_slice(&b[q..q + 8]);
-                    win[j] = i64::from_le_bytes(w);
-                    // Shift the n digits to the top of the lane; >= 64 clears it.
-                    shift[j] = (8u64.wrapping_sub(n) << 3) as i64;
+            let mut starts = m.digit & !((m.digit << 1) | prev_digit);
+            // A run reaching the block end finishes in a later block.
+            let mut carry = None;
+            if m.digit >> 63 != 0 {
+                if starts != 0 {
+                    let last = 63 - starts.leading_zeros();
+                    starts &= !(1u64 << last);
+                    carry = Some(p + last as usize);
+                } else {
+                    carry = pending;
                 }
-                let packed = convert4(win, shift);
-                debug_assert!(k + GROUP <= dst.len());
-                // SAFETY: `reserve(CHUNK / 2 + GROUP)` left that many spare slots
-                // and k < count <= CHUNK / 2, so the 4 u32 written at k are in
-                // the spare capacity; unaligned store.
-                unsafe { _mm_storeu_si128(dst.as_mut_ptr().add(k) as *mut __m128i, packed) };
-                k += GROUP;
             }
-            if !long {
-                // SAFETY: slots base..base + count were written above (k >= count).
+            // A leading '0' followed by a digit, inside the block.
+            let mut odd = starts & m.zero & (m.digit >> 1) != 0;
+            let mut count = 0usize;
+            if let (Some(q), true) = (pending, non_digit != 0) {
+                let n = p + non_digit.trailing_zeros() as usize - q;
+                odd |= n > 8 || (n > 1 && b[q] == b'0');
+                pos[0] = q as u64;
+                shift[0] = (8u64.wrapping_sub(n as u64) << 3) as i64;
+                count = 1;
+            }
+            let mut rest = starts;
+            while rest != 0 {
+                let at = rest.trailing_zeros() as usize;
+                rest &= rest - 1;
+                let n = (non_digit >> at).trailing_zeros() as u64;
+                odd |= n > 8;
+                // count < SLOTS: at most 32 runs start in 64 bytes, plus one.
+                pos[count] = (p + at) as u64;
+                shift[count] = (8u64.wrapping_sub(n) << 3) as i64;
+                count += 1;
+            }
+            out.reserve(SLOTS);
+            let base = out.len();
+            // SAFETY: `reserve(SLOTS)` guarantees SLOTS spare slots past `len`.
+            let dst = unsafe { out.as_mut_ptr().add(base) };
+            if !odd {
+                let mut k = 0usize;
+                while k < count {
+                    let mut win = [0i64; GROUP];
+                    for j in 0..GROUP {
+                        let q = pos[k + j] as usize;
+                        let mut w = [0u8; 8];
+                        w.copy_from_slice(&b[q..q + 8]);
+                        win[j] = i64::from_le_bytes(w);
+                    }
+                    let sh = [shift[k], shift[k + 1], shift[k + 2], shift[k + 3]];
+                    let packed = convert4(win, sh);
+                    // SAFETY: k + GROUP <= SLOTS (count <= 33, SLOTS = 36) and
+                    // SLOTS slots past `base` are reserved; unaligned store.
+                    unsafe { _mm_storeu_si128(dst.add(k) as *mut __m128i, packed) };
+                    k += GROUP;
+                }
+                // SAFETY: slots base..base + count were written above.
                 unsafe { out.set_len(base + count) };
             } else {
-                let mut k = 0usize;
-                while starts != 0 {
-                    let pos = starts.trailing_zeros() as usize;
-                    starts &= starts - 1;
-                    let n = (non_digit >> pos).trailing_zeros() as usize;
-                    let q = p + pos;
-                    let value = if n <= 10 {
-                        digits_value(b, q, n)
+                // Exact, in order: the first element of another shape ends
+                // the run with the elements before it kept.
+                for k in 0..count {
+                    let q = pos[k] as usize;
+                    let n = 8 - (shift[k] >> 3);
+                    let value = if (1..=10).contains(&n) && (n == 1 || b[q] != b'0') {
+                        digits_value(b, q, n as usize)
                     } else {
                         u64::MAX
                     };
                     if value > u32::MAX as u64 {
-                        // SAFETY: the first k slots past `base` were written below.
+                        // SAFETY: slots base..base + k were written below.
                         unsafe { out.set_len(base + k) };
                         return Run::Bail(q);
                     }
-                    // At most CHUNK / 2 starts fit in CHUNK bytes and room for
-                    // CHUNK / 2 + GROUP was reserved, so k < dst.len().
-                    dst[k].write(value as u32);
-                    k += 1;
+                    // SAFETY: k < count <= SLOTS, reserved above.
+                    unsafe { dst.add(k).write(value as u32) };
                 }
-                // SAFETY: slots base..base + k were initialised in the loop above.
-                unsafe { out.set_len(base + k) };
+                // SAFETY: slots base..base + count were written in the loop.
+                unsafe { out.set_len(base + count) };
             }
-            if bad != 0 {
-                return Run::Bail(p + bad.trailing_zeros() as usize);
-            }
-            // The next element starts after the last comma and its space
-            // (read from the mask, not memory: this is the serial step).
-            let after = last_comma as usize + 1;
-            let space_after = if after < CHUNK {
-                (m.space >> after) as usize & 1
-            } else {
-                (b[p + after] == b' ') as usize
-            };
-            p += after + space_after;
+            pending = carry;
+            prev_digit = m.digit >> 63;
+            prev_comma = m.comma >> 63;
+            p += CHUNK;
         }
-        Run::Bail(p)
+        Run::Bail(pending.unwrap_or(p))
     }
 
     /// Element-by-element conversion within one chunk, for chunks with other
@@ -355,5 +375,63 @@ mod tests {
             assert_eq!(digits_value(text, 0, n), want, "n={n}");
         }
         assert_eq!(digits_value(b"0000000000", 0, 1), 0);
+    }
+
+    /// Every block alignment (the padding shifts the array start) and a
+    /// refused element at many positions, including across block
+    /// boundaries: the AVX2 run must give exactly the scalar loop's result.
+    #[test]
+    fn fixed_blocks_equal_scalar_at_every_alignment() {
+        use crate::parse::oracle::{parse_debug, BodyKind};
+        use crate::parse::{NumberPath, Parser};
+        let scalar = Parser::default().with_number_path(NumberPath::Scalar);
+        let simd = Parser::default().with_number_path(NumberPath::Simd);
+        let ids: Vec<String> = (0..120u64)
+            .map(|k| {
+                // Mostly 1-7 digits (the vector path), a 10-digit id now and
+                // then (the exact path).
+                let digits = if k % 37 == 36 { 10 } else { k % 7 + 1 };
+                ((k * 2_654_435_761) % 10u64.pow(digits as u32) % (1 << 32)).to_string()
+            })
+            .collect();
+        let odd = [
+            "0123",
+            "-5",
+            "1.5",
+            "4294967296",
+            "12345678901",
+            "00",
+            " 7",
+            "\n7",
+            "",
+            "1e3",
+            "99999999999999999999999",
+            "4294967295",
+            " ]",
+        ];
+        let mut checked_ok = 0;
+        for pad in 0..64 {
+            for at in 0..60 {
+                for o in odd.iter().take(if at == 0 { 1 } else { odd.len() }) {
+                    let mut elems = ids.clone();
+                    if at > 0 {
+                        elems[at] = o.to_string();
+                    }
+                    let body = format!(
+                        r#"{{"model_name":"{}","routing_group":"d","token_ids":[{}]}}"#,
+                        "m".repeat(pad),
+                        elems.join(if pad % 2 == 0 { "," } else { ", " })
+                    );
+                    let want = parse_debug(&scalar, BodyKind::Select, body.as_bytes());
+                    checked_ok += want.is_ok() as usize;
+                    assert_eq!(
+                        want,
+                        parse_debug(&simd, BodyKind::Select, body.as_bytes()),
+                        "{body}"
+                    );
+                }
+            }
+        }
+        assert!(checked_ok > 64, "{checked_ok}");
     }
 }
