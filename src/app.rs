@@ -501,17 +501,12 @@ impl App {
         let mut new_blocks = Vec::with_capacity(wrs.len());
         self.ledger
             .new_blocks(&wrs, &prompt.identities, &mut new_blocks);
-        let overlap_of = |wr: WorkerRank| {
-            hits.binary_search_by_key(&wr, |(w, _)| *w)
-                .map(|i| hits[i].1)
-                .unwrap_or_default()
-        };
         let cands: Vec<CandidateLoad> = wrs
             .iter()
             .zip(loads.iter().zip(&new_blocks))
             .map(
                 |(wr, (l, &nb)): (&WorkerRank, (&RankLoad, &u64))| CandidateLoad {
-                    overlap: overlap_of(*wr),
+                    overlap: overlap_in(&hits, *wr),
                     active_prefill_tokens: l.prefill_tokens,
                     active_decode_blocks: l.decode_blocks,
                     active_requests: l.active_requests,
@@ -760,10 +755,7 @@ impl App {
             .iter()
             .zip(loads.iter().zip(&new_blocks))
             .map(|(wr, (l, &nb))| {
-                let o = hits
-                    .binary_search_by_key(wr, |(w, _)| *w)
-                    .map(|i| hits[i].1)
-                    .unwrap_or_default();
+                let o = overlap_in(&hits, *wr);
                 let prefill = if cfg.track_prefill_tokens {
                     select::effective_prefill_tokens(&o, &cfg, &ctx)
                 } else {
@@ -882,11 +874,15 @@ struct Choice {
 
 impl Choice {
     fn overlap_of(&self, wr: WorkerRank) -> Overlap {
-        self.hits
-            .binary_search_by_key(&wr, |(w, _)| *w)
-            .map(|i| self.hits[i].1)
-            .unwrap_or_default()
+        overlap_in(&self.hits, wr)
     }
+}
+
+/// The overlap of `wr` in hits sorted by rank (zero when it matched nothing).
+fn overlap_in(hits: &[(WorkerRank, Overlap)], wr: WorkerRank) -> Overlap {
+    hits.binary_search_by_key(&wr, |(w, _)| *w)
+        .map(|i| hits[i].1)
+        .unwrap_or_default()
 }
 
 fn random_identities(n: usize, out: &mut Vec<u64>) {
