@@ -12,6 +12,9 @@
 //!
 //! Last line: `select_cpu_ms_per_request=<n>`.
 
+use kvselect::index::Tier;
+use kvselect::ingest::decode::{Group, KvEvent, Stored};
+use kvselect::ingest::encode::{encode_batch, EventForm};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
@@ -123,44 +126,23 @@ fn clk_tck() -> f64 {
         .unwrap_or(100.0)
 }
 
-fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Vec<u8> {
-    let mut b = Vec::new();
-    rmp::encode::write_map_len(&mut b, 6).unwrap();
-    rmp::encode::write_str(&mut b, "type").unwrap();
-    rmp::encode::write_str(&mut b, "BlockStored").unwrap();
-    rmp::encode::write_str(&mut b, "block_hashes").unwrap();
-    rmp::encode::write_array_len(&mut b, hashes.len() as u32).unwrap();
-    for h in hashes {
-        rmp::encode::write_uint(&mut b, *h).unwrap();
-    }
-    rmp::encode::write_str(&mut b, "parent_block_hash").unwrap();
-    match parent {
-        Some(p) => {
-            rmp::encode::write_uint(&mut b, p).unwrap();
-        }
-        None => rmp::encode::write_nil(&mut b).unwrap(),
-    }
-    rmp::encode::write_str(&mut b, "token_ids").unwrap();
-    rmp::encode::write_array_len(&mut b, tokens.len() as u32).unwrap();
-    for t in tokens {
-        rmp::encode::write_uint(&mut b, *t as u64).unwrap();
-    }
-    rmp::encode::write_str(&mut b, "block_size").unwrap();
-    rmp::encode::write_uint(&mut b, BS as u64).unwrap();
-    rmp::encode::write_str(&mut b, "medium").unwrap();
-    rmp::encode::write_str(&mut b, "GPU").unwrap();
-    b
+fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> KvEvent {
+    KvEvent::Stored(Stored {
+        block_hashes: hashes.to_vec(),
+        parent_hash: parent,
+        token_ids: tokens.to_vec(),
+        eagle: false,
+        block_size: BS,
+        medium: Tier::Device,
+        lora_name: None,
+        cache_salt: None,
+        group: Group::default(),
+    })
 }
 
-fn batch(events: &[Vec<u8>]) -> Vec<u8> {
+fn batch(events: &[KvEvent]) -> Vec<u8> {
     let mut p = Vec::new();
-    rmp::encode::write_array_len(&mut p, 3).unwrap();
-    rmp::encode::write_f64(&mut p, 0.0).unwrap();
-    rmp::encode::write_array_len(&mut p, events.len() as u32).unwrap();
-    for e in events {
-        p.extend_from_slice(e);
-    }
-    rmp::encode::write_nil(&mut p).unwrap();
+    encode_batch(&mut p, 0.0, events, None, EventForm::Map);
     p
 }
 

@@ -10,6 +10,8 @@ use hyper_util::rt::TokioExecutor;
 use kvselect::app::App;
 use kvselect::config::Config;
 use kvselect::http::Server;
+use kvselect::ingest::decode::{tier_of_medium, Group, KvEvent, Removed, Stored};
+use kvselect::ingest::encode::{encode_batch, EventForm};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -204,21 +206,18 @@ impl Publisher {
         }
     }
 
-    /// Sends one batch `[ts, events, dp_rank]` with the next seq.
-    pub fn send_events(&mut self, events: &[Vec<u8>], dp_rank: Option<u32>) {
+    /// Sends one batch `[ts, events, dp_rank]` with the next seq, in vLLM
+    /// 0.34's map form (the crate's own encoder, pinned to the spec's bytes by
+    /// `tests/ingest_decode.rs`).
+    pub fn send_events(&mut self, events: &[KvEvent], dp_rank: Option<u32>) {
         let mut payload = Vec::new();
-        rmp::encode::write_array_len(&mut payload, 3).unwrap();
-        rmp::encode::write_f64(&mut payload, 1_700_000_000.0).unwrap();
-        rmp::encode::write_array_len(&mut payload, events.len() as u32).unwrap();
-        for e in events {
-            payload.extend_from_slice(e);
-        }
-        match dp_rank {
-            Some(r) => rmp::encode::write_uint(&mut payload, r as u64)
-                .map(|_| ())
-                .unwrap(),
-            None => rmp::encode::write_nil(&mut payload).unwrap(),
-        }
+        encode_batch(
+            &mut payload,
+            1_700_000_000.0,
+            events,
+            dp_rank,
+            EventForm::Map,
+        );
         let seq = self.seq.to_be_bytes();
         self.socket
             .send_multipart([&b""[..], &seq[..], &payload[..]], 0)
@@ -227,65 +226,42 @@ impl Publisher {
     }
 }
 
-/// vLLM 0.34 map-form BlockStored.
+fn tier(medium: &str) -> kvselect::index::Tier {
+    tier_of_medium(Some(medium)).unwrap_or_else(|| panic!("unknown medium {medium}"))
+}
+
+/// A BlockStored event.
 pub fn stored(
     hashes: &[u64],
     parent: Option<u64>,
     tokens: &[u32],
     bs: u32,
     medium: &str,
-) -> Vec<u8> {
-    let mut b = Vec::new();
-    rmp::encode::write_map_len(&mut b, 7).unwrap();
-    rmp::encode::write_str(&mut b, "type").unwrap();
-    rmp::encode::write_str(&mut b, "BlockStored").unwrap();
-    rmp::encode::write_str(&mut b, "block_hashes").unwrap();
-    rmp::encode::write_array_len(&mut b, hashes.len() as u32).unwrap();
-    for h in hashes {
-        rmp::encode::write_uint(&mut b, *h).unwrap();
-    }
-    rmp::encode::write_str(&mut b, "parent_block_hash").unwrap();
-    match parent {
-        Some(p) => {
-            rmp::encode::write_uint(&mut b, p).unwrap();
-        }
-        None => rmp::encode::write_nil(&mut b).unwrap(),
-    }
-    rmp::encode::write_str(&mut b, "token_ids").unwrap();
-    rmp::encode::write_array_len(&mut b, tokens.len() as u32).unwrap();
-    for t in tokens {
-        rmp::encode::write_uint(&mut b, *t as u64).unwrap();
-    }
-    rmp::encode::write_str(&mut b, "block_size").unwrap();
-    rmp::encode::write_uint(&mut b, bs as u64).unwrap();
-    rmp::encode::write_str(&mut b, "lora_id").unwrap();
-    rmp::encode::write_nil(&mut b).unwrap();
-    rmp::encode::write_str(&mut b, "medium").unwrap();
-    rmp::encode::write_str(&mut b, medium).unwrap();
-    b
+) -> KvEvent {
+    KvEvent::Stored(Stored {
+        block_hashes: hashes.to_vec(),
+        parent_hash: parent,
+        token_ids: tokens.to_vec(),
+        eagle: false,
+        block_size: bs,
+        medium: tier(medium),
+        lora_name: None,
+        cache_salt: None,
+        group: Group::default(),
+    })
 }
 
-pub fn removed(hashes: &[u64], medium: &str) -> Vec<u8> {
-    let mut b = Vec::new();
-    rmp::encode::write_map_len(&mut b, 3).unwrap();
-    rmp::encode::write_str(&mut b, "type").unwrap();
-    rmp::encode::write_str(&mut b, "BlockRemoved").unwrap();
-    rmp::encode::write_str(&mut b, "block_hashes").unwrap();
-    rmp::encode::write_array_len(&mut b, hashes.len() as u32).unwrap();
-    for h in hashes {
-        rmp::encode::write_uint(&mut b, *h).unwrap();
-    }
-    rmp::encode::write_str(&mut b, "medium").unwrap();
-    rmp::encode::write_str(&mut b, medium).unwrap();
-    b
+/// A BlockRemoved event.
+pub fn removed(hashes: &[u64], medium: &str) -> KvEvent {
+    KvEvent::Removed(Removed {
+        block_hashes: hashes.to_vec(),
+        medium: tier(medium),
+        group: Group::default(),
+    })
 }
 
-pub fn cleared() -> Vec<u8> {
-    let mut b = Vec::new();
-    rmp::encode::write_map_len(&mut b, 1).unwrap();
-    rmp::encode::write_str(&mut b, "type").unwrap();
-    rmp::encode::write_str(&mut b, "AllBlocksCleared").unwrap();
-    b
+pub fn cleared() -> KvEvent {
+    KvEvent::Cleared
 }
 
 /// Polls `f` until it returns true or `timeout` passes.
