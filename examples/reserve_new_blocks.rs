@@ -159,4 +159,76 @@ fn main() {
             None,
         );
     }
+
+    // The harness's shape: 64 ranks, 64 live bookings of 6,250 identities
+    // each (1,000 shared, the rest their own: ~400k identities, far more
+    // than L2), and a turn = new_blocks over the 64 ranks, book and free of
+    // a fresh 6,250-identity prompt. Each turn uses identities never seen
+    // before, so its lookups miss the caches as they do in the server.
+    let busy = Ledger::default();
+    let ranks64 = &ranks[..64];
+    for (i, &wr) in ranks64.iter().enumerate() {
+        let ids: Vec<u64> = prompt[..PREFIX as usize]
+            .iter()
+            .copied()
+            .chain((PREFIX..PROMPT).map(|k| (i as u64) << 40 | k | 1 << 62))
+            .collect();
+        busy.book(Booking {
+            selection_id: &format!("live{i}"),
+            wr,
+            identities: &ids,
+            prefill_tokens: 0,
+            now: Instant::now(),
+        })
+        .unwrap();
+    }
+    let mut turn = 0u64;
+    let (mut nb_t, mut book_t, mut free_t) = (Vec::new(), Vec::new(), Vec::new());
+    // In the server, other requests' bodies (~700 KB each) pass through the
+    // caches between one turn's steps: stand-in, 32 MiB written per step.
+    let mut junk = vec![0u8; 32 << 20];
+    let mut pollute = |turn: u64| {
+        for (i, b) in junk.iter_mut().enumerate().step_by(64) {
+            *b = (i as u64 ^ turn) as u8;
+        }
+        black_box(&junk);
+    };
+    for _ in 0..iters * 4 {
+        turn += 1;
+        let ids: Vec<u64> = prompt[..PREFIX as usize]
+            .iter()
+            .copied()
+            .chain(
+                (PREFIX..PROMPT)
+                    .map(|k| (turn << 40 | k | 1 << 61).wrapping_mul(0x2545_F491_4F6C_DD1D)),
+            )
+            .collect();
+        pollute(turn);
+        let s = Instant::now();
+        busy.new_blocks(ranks64, &ids, &mut out);
+        nb_t.push(s.elapsed());
+        pollute(turn);
+        let s = Instant::now();
+        busy.book(Booking {
+            selection_id: "turn",
+            wr: ranks64[(turn % 64) as usize],
+            identities: &ids,
+            prefill_tokens: 0,
+            now: Instant::now(),
+        })
+        .unwrap();
+        book_t.push(s.elapsed());
+        pollute(turn);
+        let s = Instant::now();
+        busy.free("turn").unwrap();
+        free_t.push(s.elapsed());
+    }
+    for (name, mut v) in [
+        ("turn: new_blocks 64 x 6250, 400k live identities", nb_t),
+        ("turn: book 6250 identities, 400k live", book_t),
+        ("turn: free 6250 identities, 400k live", free_t),
+    ] {
+        v.sort();
+        report(name, v[v.len() / 2], None);
+    }
 }

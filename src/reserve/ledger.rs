@@ -42,7 +42,6 @@
 //! the same blocks returns the sum to exactly zero, which `f64` would not.
 
 use std::cell::RefCell;
-use std::collections::hash_map::Entry as MapEntry;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -51,6 +50,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Mutex, RwLock};
 
 use super::ident::{mix, shard_of, IdentBuild};
+use super::table::{Hint, IdentTable};
 use super::ReserveError;
 use crate::index::WorkerRank;
 
@@ -126,8 +126,14 @@ pub struct Ledger {
 
 type BookingShard = Mutex<HashMap<Box<str>, Entry>>;
 type RankShard = RwLock<HashMap<WorkerRank, Arc<RankCell>, IdentBuild>>;
-type IdentMap = HashMap<u64, Holders, IdentBuild>;
-type IdentShard = Mutex<IdentMap>;
+type IdentMap = IdentTable<Holders>;
+
+/// One identity shard: its table, and where the table's buckets are (for
+/// prefetching before the lock is taken).
+struct IdentShard {
+    table: Mutex<IdentMap>,
+    hint: Hint,
+}
 
 struct Entry {
     wr: WorkerRank,
@@ -338,12 +344,15 @@ thread_local! {
     #[allow(clippy::type_complexity)]
     static SLOT_HITS: RefCell<(Vec<u32>, Vec<u32>, Vec<u32>)> =
         const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
-    /// Scratch for `by_ident_shard`: identities grouped by shard.
-    static BY_SHARD: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+    /// Scratch for `by_ident_shard`: (identity, mixed) grouped by shard.
+    static BY_SHARD: RefCell<Vec<(u64, u64)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Below this many identities, locking per identity is cheaper than grouping.
 const GROUP_MIN: usize = 64;
+
+/// How many identities ahead `by_ident_shard` prefetches a home bucket.
+const PREFETCH_AHEAD: usize = 16;
 
 /// Holder lists at least this long are compared with the previous one so that
 /// runs of identities held by the same ranks are counted once.
@@ -372,14 +381,9 @@ fn weight_fp(f: f64) -> Option<u32> {
 
 /// One more hold of `x` by `cell`'s rank (called with `x`'s shard locked,
 /// so the rank's weighted sum changes under the lock that owns the weight).
-fn hold(map: &mut IdentMap, x: u64, cell: &RankCell) {
-    let new = match map.entry(x) {
-        MapEntry::Vacant(v) => {
-            v.insert(Holders::new(cell.slot));
-            true
-        }
-        MapEntry::Occupied(mut o) => o.get_mut().acquire(cell.slot),
-    };
+fn hold(map: &mut IdentMap, x: u64, m: u64, cell: &RankCell) {
+    let (h, inserted) = map.get_or_insert_with(x, m, || Holders::new(cell.slot));
+    let new = inserted || h.acquire(cell.slot);
     if new {
         cell.weighted
             .fetch_add(u64::from(WEIGHT_ONE), Ordering::Relaxed);
@@ -387,16 +391,16 @@ fn hold(map: &mut IdentMap, x: u64, cell: &RankCell) {
 }
 
 /// One hold of `x` by `cell`'s rank less (called with `x`'s shard locked).
-fn unhold(map: &mut IdentMap, x: u64, cell: &RankCell) {
-    let MapEntry::Occupied(mut o) = map.entry(x) else {
+fn unhold(map: &mut IdentMap, x: u64, m: u64, cell: &RankCell) {
+    let Some(h) = map.get_mut(x, m) else {
         debug_assert!(false, "released identity not held");
         return;
     };
-    match o.get_mut().release(cell.slot) {
+    match h.release(cell.slot) {
         Release::Kept => {}
         Release::Removed { weight, empty } => {
             if empty {
-                o.remove();
+                map.remove(x, m);
             }
             cell.weighted
                 .fetch_sub(u64::from(weight), Ordering::Relaxed);
@@ -425,7 +429,10 @@ impl Ledger {
                 .map(|_| RwLock::new(HashMap::with_hasher(IdentBuild { key })))
                 .collect(),
             idents: (0..IDENT_SHARDS)
-                .map(|_| Mutex::new(HashMap::with_hasher(IdentBuild { key })))
+                .map(|_| IdentShard {
+                    table: Mutex::new(IdentTable::new(key)),
+                    hint: Hint::default(),
+                })
                 .collect(),
             slots: Mutex::new(SlotAlloc::default()),
         }
@@ -448,8 +455,10 @@ impl Ledger {
         &self.ranks[shard_of(m, RANK_SHARDS)]
     }
 
-    fn ident_shard(&self, x: u64) -> &IdentShard {
-        &self.idents[shard_of(mix(x, self.key), IDENT_SHARDS)]
+    /// The shard of identity `x` and `x` mixed (its position there).
+    fn ident_shard(&self, x: u64) -> (&IdentShard, u64) {
+        let m = mix(x, self.key);
+        (&self.idents[shard_of(m, IDENT_SHARDS)], m)
     }
 
     /// Atomically claims `b.selection_id` and applies its load.
@@ -462,7 +471,7 @@ impl Ledger {
         }
         let cell = self.acquire_rank(b.wr);
         cell.prefill.fetch_add(b.prefill_tokens, Ordering::Relaxed);
-        self.by_ident_shard(b.identities, |map, x| hold(map, x, &cell));
+        self.by_ident_shard(b.identities, |map, x, m| hold(map, x, m, &cell));
         g.insert(
             b.selection_id.into(),
             Entry {
@@ -506,7 +515,8 @@ impl Ledger {
         let x = rand::random::<u64>();
         let mut g = self.booking_shard(id).lock();
         let e = g.get_mut(id).ok_or(ReserveError::NotFound)?;
-        hold(&mut self.ident_shard(x).lock(), x, &e.cell);
+        let (shard, m) = self.ident_shard(x);
+        hold(&mut shard.table.lock(), x, m, &e.cell);
         e.blocks.push(x);
         if let Some(w) = decay_fraction.and_then(weight_fp) {
             for &b in e.blocks.iter().rev() {
@@ -572,8 +582,8 @@ impl Ledger {
             hits.resize(max as usize + 1, 0);
             run.clear();
             let mut run_len = 0u32;
-            self.by_ident_shard(identities, |map, x| {
-                let Some(h) = map.get(&x) else {
+            self.by_ident_shard(identities, |map, x, m| {
+                let Some(h) = map.get(x, m) else {
                     return;
                 };
                 let slots = h.slots();
@@ -623,7 +633,7 @@ impl Ledger {
         LedgerStats {
             bookings: self.bookings.iter().map(|s| s.lock().len()).sum(),
             ranks: self.ranks.iter().map(|s| s.read().len()).sum(),
-            identities: self.idents.iter().map(|s| s.lock().len()).sum(),
+            identities: self.idents.iter().map(|s| s.table.lock().len()).sum(),
             slots_in_use,
         }
     }
@@ -690,21 +700,26 @@ impl Ledger {
         slot
     }
 
-    /// Calls `f` for every identity of `xs` with its shard's map locked,
-    /// locking each shard once (identities grouped by a counting sort) when
-    /// there are enough identities for that to pay off. The order of the
-    /// calls is not the order of `xs`.
-    fn by_ident_shard(&self, xs: &[u64], mut f: impl FnMut(&mut IdentMap, u64)) {
+    /// Calls `f(table, x, mix(x))` for every identity `x` of `xs` with its
+    /// shard's table locked, locking each shard once (identities grouped by
+    /// a counting sort) when there are enough identities for that to pay off.
+    /// While working on one identity it prefetches the home bucket of the
+    /// identity `PREFETCH_AHEAD` places later, in whatever shard that is.
+    /// The order of the calls is not the order of `xs`.
+    fn by_ident_shard(&self, xs: &[u64], mut f: impl FnMut(&mut IdentMap, u64, u64)) {
         if xs.len() < GROUP_MIN {
             for &x in xs {
-                f(&mut self.ident_shard(x).lock(), x);
+                let (shard, m) = self.ident_shard(x);
+                let mut g = shard.table.lock();
+                f(&mut g, x, m);
+                shard.hint.publish(&g);
             }
             return;
         }
         BY_SHARD.with(|t| {
             let grouped = &mut *t.borrow_mut();
             grouped.clear();
-            grouped.resize(xs.len(), 0);
+            grouped.resize(xs.len(), (0, 0));
             let mut starts = [0usize; IDENT_SHARDS + 1];
             for &x in xs {
                 starts[shard_of(mix(x, self.key), IDENT_SHARDS) + 1] += 1;
@@ -714,27 +729,39 @@ impl Ledger {
             }
             let mut fill = starts;
             for &x in xs {
-                let sh = shard_of(mix(x, self.key), IDENT_SHARDS);
-                grouped[fill[sh]] = x;
+                let m = mix(x, self.key);
+                let sh = shard_of(m, IDENT_SHARDS);
+                grouped[fill[sh]] = (x, m);
                 fill[sh] += 1;
             }
+            for &(_, m) in grouped.iter().take(PREFETCH_AHEAD) {
+                self.idents[shard_of(m, IDENT_SHARDS)].hint.prefetch(m);
+            }
             for (sh, shard) in self.idents.iter().enumerate() {
-                let group = &grouped[starts[sh]..starts[sh + 1]];
-                if group.is_empty() {
+                let (lo, hi) = (starts[sh], starts[sh + 1]);
+                if lo == hi {
                     continue;
                 }
-                let mut g = shard.lock();
-                for &x in group {
-                    f(&mut g, x);
+                let mut g = shard.table.lock();
+                for p in lo..hi {
+                    if let Some(&(_, ahead)) = grouped.get(p + PREFETCH_AHEAD) {
+                        self.idents[shard_of(ahead, IDENT_SHARDS)]
+                            .hint
+                            .prefetch(ahead);
+                    }
+                    let (x, m) = grouped[p];
+                    f(&mut g, x, m);
                 }
+                shard.hint.publish(&g);
             }
         });
     }
 
     fn reweight_if_exclusive(&self, x: u64, cell: &RankCell, w: u32) -> bool {
-        let mut g = self.ident_shard(x).lock();
+        let (shard, m) = self.ident_shard(x);
+        let mut g = shard.table.lock();
         let Some(old) = g
-            .get_mut(&x)
+            .get_mut(x, m)
             .and_then(|h| h.reweight_if_exclusive(cell.slot, w))
         else {
             return false;
@@ -751,7 +778,7 @@ impl Ledger {
 
     /// Removes all effects of a booking (called with its booking shard locked).
     fn unload(&self, e: &Entry) {
-        self.by_ident_shard(&e.blocks, |map, x| unhold(map, x, &e.cell));
+        self.by_ident_shard(&e.blocks, |map, x, m| unhold(map, x, m, &e.cell));
         if e.prefill > 0 {
             e.cell.prefill.fetch_sub(e.prefill, Ordering::Relaxed);
         }

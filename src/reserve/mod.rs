@@ -24,6 +24,7 @@
 mod ident;
 pub mod ledger;
 pub mod pending;
+mod table;
 
 pub use ledger::{Booking, BookingInfo, Ledger, LedgerStats, RankLoad, DEFAULT_BOOKING_EXPIRY};
 pub use pending::{
