@@ -144,9 +144,9 @@ const NODE_SHARD_BITS: u32 = 6;
 const NODE_SHARDS: usize = 1 << NODE_SHARD_BITS;
 const RANK_SHARDS: usize = 64;
 /// Blocks walked per batch of held shard read locks.
-const WALK_CHUNK: usize = 512;
+const WALK_CHUNK: usize = 2048;
 /// How many keys ahead the walk prefetches.
-const PREFETCH_AHEAD: usize = 24;
+const PREFETCH_AHEAD: usize = 32;
 
 /// Hasher for keys that are already hashes (or small ids): one folded
 /// 64x64->128 multiply spreads every input bit over the whole output, so both
@@ -562,7 +562,7 @@ impl Index {
         let mut chunk = 32;
         'chunks: while start < seq_keys.len() {
             let end = (start + chunk).min(seq_keys.len());
-            chunk = (chunk * 2).min(WALK_CHUNK);
+            chunk = (chunk * 4).min(WALK_CHUNK);
             let keys = &seq_keys[start..end];
             let mut guards: [Option<RwLockReadGuard<'_, NodeTable>>; NODE_SHARDS] =
                 std::array::from_fn(|_| None);
