@@ -58,9 +58,17 @@ pub struct Reply {
 
 impl Reply {
     fn ok(v: &impl Serialize) -> Reply {
+        Reply::ok_sized(v, 128)
+    }
+    /// `ok` into a buffer of `capacity` bytes to start with, for replies
+    /// whose size is known roughly (growing a 100 KB reply by doubling
+    /// copies it several times).
+    fn ok_sized(v: &impl Serialize, capacity: usize) -> Reply {
+        let mut body = Vec::with_capacity(capacity);
+        serde_json::to_writer(&mut body, v).expect("response types serialise");
         Reply {
             created: false,
-            body: serde_json::to_vec(v).expect("response types serialise"),
+            body,
         }
     }
     fn created(v: &impl Serialize) -> Reply {
@@ -458,7 +466,9 @@ impl App {
             potential_decode_blocks,
             worker_load,
         };
-        Ok(Reply::ok(&resp))
+        // An i64 is at most 20 characters and a comma.
+        let hashes = if reserved { prompt_blocks * 21 } else { 0 };
+        Ok(Reply::ok_sized(&resp, 512 + hashes + resp.endpoint.len()))
     }
 
     fn choose(

@@ -171,7 +171,7 @@ fn main() {
     }
     let w = &reports[0];
     println!(
-        "\nprofile {}: {} mock workers, {} sessions, prefix {} tokens, mean ISL {} (observed {:.0}), flow {}, server cores {}, client cores {}\n",
+        "\nprofile {}: {} mock workers, {} sessions, prefix {} tokens, mean ISL {} (observed {:.0}), flow {}, {}, server cores {}, client cores {}\n",
         cli.load.profile,
         w.workers,
         w.sessions,
@@ -179,6 +179,10 @@ fn main() {
         w.mean_isl_target,
         w.mean_isl_observed,
         w.flow,
+        match cli.load.rate {
+            Some(r) => format!("offered {r} turns/s"),
+            None => "closed loop".to_string(),
+        },
         cli.server_cores.as_deref().unwrap_or("any"),
         cli.load.client_cores.as_deref().unwrap_or("any"),
     );

@@ -61,6 +61,11 @@ pub struct LoadArgs {
     /// for `full`).
     #[arg(long)]
     pub think_ms: Option<u64>,
+    /// Turns started per second, all sessions together (default: none,
+    /// each session goes on as soon as its last turn ends). A rate below
+    /// both servers' capacity compares latency at the same offered load.
+    #[arg(long)]
+    pub rate: Option<f64>,
     /// Turns in progress at once (default: all sessions for `small`, 256
     /// for `full`).
     #[arg(long)]
@@ -130,6 +135,7 @@ impl LoadArgs {
             think: Duration::from_millis(self.think_ms.unwrap_or(think)),
             json_cache_bytes: self.json_cache_mb << 20,
             max_inflight: self.max_inflight.unwrap_or(infl).min(sessions).max(1),
+            rate: self.rate,
             ..LoadConfig::default()
         };
         let settle = secs(self.settle_s.unwrap_or(1.0 + workers as f64 / 256.0));

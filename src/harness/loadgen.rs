@@ -80,6 +80,12 @@ pub struct LoadConfig {
     /// Turns in progress at once (each holds its prompt buffers, ~1 MB at
     /// 99k tokens); sessions beyond it wait for a slot before selecting.
     pub max_inflight: usize,
+    /// Turns started per second, all sessions together (`None`: each
+    /// session starts its next turn as soon as the last one ends). Turns
+    /// are spaced evenly; when every session is busy the rate falls short
+    /// and no backlog builds up (so a slow server sees fewer turns, never a
+    /// burst), which the report's requests/s shows.
+    pub rate: Option<f64>,
 }
 
 impl Default for LoadConfig {
@@ -101,6 +107,7 @@ impl Default for LoadConfig {
             seed: 7,
             json_cache_bytes: 1 << 30,
             max_inflight: 256,
+            rate: None,
         }
     }
 }
@@ -110,6 +117,8 @@ impl Default for LoadConfig {
 pub struct Report {
     pub server: String,
     pub flow: String,
+    /// Offered turns/s (`None`: closed loop).
+    pub offered_rate: Option<f64>,
     pub workers: usize,
     pub sessions: usize,
     pub mean_isl_target: usize,
@@ -266,6 +275,24 @@ struct Shared {
     cache_json: bool,
     min_len: usize,
     max_len: usize,
+    /// With a rate: (start time of the next turn, spacing of turns).
+    pacer: Option<(Mutex<Instant>, Duration)>,
+}
+
+impl Shared {
+    /// Waits for this turn's start time when the load is paced.
+    async fn pace(&self) {
+        let Some((next, every)) = &self.pacer else {
+            return;
+        };
+        let at = {
+            let mut n = next.lock().unwrap_or_else(|p| p.into_inner());
+            let at = (*n).max(Instant::now());
+            *n = at + *every;
+            at
+        };
+        tokio::time::sleep_until(at.into()).await;
+    }
 }
 
 #[derive(Default)]
@@ -342,7 +369,13 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
     let mut hist_json_len = prefix; // history tokens covered by hist_json
     loop {
         let now = Instant::now();
-        if now >= sh.end || sh.started.fetch_add(1, Ordering::Relaxed) >= cfg.max_requests {
+        if now >= sh.end {
+            break;
+        }
+        sh.pace().await;
+        if Instant::now() >= sh.end
+            || sh.started.fetch_add(1, Ordering::Relaxed) >= cfg.max_requests
+        {
             break;
         }
         let Ok(_permit) = sh.inflight.acquire().await else {
@@ -534,6 +567,10 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
         cache_json,
         min_len,
         max_len,
+        pacer: cfg
+            .rate
+            .filter(|r| r.is_finite() && *r > 0.0)
+            .map(|r| (Mutex::new(Instant::now()), Duration::from_secs_f64(1.0 / r))),
     });
     let mut set = JoinSet::new();
     let span = (max_len - min_len) / cfg.turn_growth.max(1);
@@ -579,6 +616,7 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
     let mut rep = Report {
         server: server.to_string(),
         flow: format!("{:?}", cfg.flow).to_lowercase(),
+        offered_rate: cfg.rate,
         workers: mocker.config().workers,
         sessions: cfg.sessions,
         mean_isl_target: cfg.mean_isl,
