@@ -748,7 +748,7 @@ impl Index {
 
     fn node_info(&self, key: u64) -> Option<(u64, u64)> {
         let g = self.nodes[node_shard(key)].0.read();
-        g.nodes.get(key).map(|n| (n.local, n.parent))
+        g.nodes.info(key)
     }
 
     /// Size figures (walks every shard briefly; not for the hot path).

@@ -4,7 +4,11 @@
 //! Why not `HashMap`: an overlap walk does thousands of lookups whose keys it
 //! knows in advance, so it prefetches the home bucket of key `i + D` while it
 //! works on key `i`; that needs the bucket address. Inline buckets make a hit
-//! one cache miss (SwissTable: control bytes, then the bucket). Capacities are
+//! one cache miss (SwissTable: control bytes, then the bucket). A bucket holds
+//! only what the walk reads (key and holders, 16 bytes: four per cache line,
+//! so a probe past the home bucket rarely needs a second line); the local
+//! hash and parent key, read only by stores, removals and /dump, live in a
+//! parallel array moved in lockstep. Capacities are
 //! not powers of two (the home bucket is a multiply-shift range reduction), so
 //! growth by 1.5x (past 4,096 buckets) keeps the load between 0.58 and 0.875,
 //! which bounds the memory per node.
@@ -18,18 +22,21 @@ use super::holders::Holders;
 
 pub(crate) struct Node {
     pub(crate) key: u64,
-    pub(crate) local: u64,
-    /// Key of the parent node; equal to `key` for a root.
-    pub(crate) parent: u64,
     pub(crate) holders: Holders,
+}
+
+/// The rest of a node, at the same index of `NodeTable::cold`.
+#[derive(Clone, Copy, Default)]
+struct Cold {
+    local: u64,
+    /// Key of the parent node; equal to `key` for a root.
+    parent: u64,
 }
 
 impl Node {
     fn vacant() -> Node {
         Node {
             key: 0,
-            local: 0,
-            parent: 0,
             holders: Holders::default(),
         }
     }
@@ -45,6 +52,8 @@ impl Node {
 #[derive(Default)]
 pub(crate) struct NodeTable {
     buckets: Vec<Node>,
+    /// `cold[i]` belongs to `buckets[i]` (meaningless where it is vacant).
+    cold: Vec<Cold>,
     len: usize,
 }
 
@@ -128,10 +137,10 @@ pub(crate) fn prefetch_at(buckets: &[Node], i: usize) {
     // the live bucket array anyway.
     unsafe {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // A probe often reads the next bucket too, which may be on the
-        // next line.
+        // A probe often reads the next bucket too: fetch its line, which is
+        // this line for three buckets of four (the prefetch then merges).
         _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
-        _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(64));
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(1) as *const i8);
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
@@ -159,9 +168,10 @@ impl NodeTable {
         self.buckets.len()
     }
 
-    /// Heap bytes of the bucket array.
+    /// Heap bytes of the bucket arrays.
     pub(crate) fn bucket_bytes(&self) -> usize {
         self.buckets.capacity() * std::mem::size_of::<Node>()
+            + self.cold.capacity() * std::mem::size_of::<Cold>()
     }
 
     #[inline]
@@ -204,9 +214,18 @@ impl NodeTable {
         }
     }
 
+    /// `(local, parent)` of the node of `key`.
     #[inline]
-    pub(crate) fn get(&self, key: u64) -> Option<&Node> {
-        self.find(key).map(|i| &self.buckets[i])
+    pub(crate) fn info(&self, key: u64) -> Option<(u64, u64)> {
+        self.find(key)
+            .map(|i| (self.cold[i].local, self.cold[i].parent))
+    }
+
+    /// Swaps buckets `i` and `j` with their cold halves.
+    #[inline]
+    fn swap(&mut self, i: usize, j: usize) {
+        self.buckets.swap(i, j);
+        self.cold.swap(i, j);
     }
 
     /// The node of `key`, inserted with `local` and `parent` (and no holders)
@@ -247,11 +266,10 @@ impl NodeTable {
             &mut self.buckets[i],
             Node {
                 key,
-                local,
-                parent,
                 holders: Holders::default(),
             },
         );
+        let mut cur_cold = std::mem::replace(&mut self.cold[i], Cold { local, parent });
         if !cur.is_vacant() {
             d = self.dist_of(cur.key, i);
             loop {
@@ -262,11 +280,13 @@ impl NodeTable {
                 }
                 if self.buckets[i].is_vacant() {
                     self.buckets[i] = cur;
+                    self.cold[i] = cur_cold;
                     break;
                 }
                 let di = self.dist(i);
                 if di < d {
                     std::mem::swap(&mut self.buckets[i], &mut cur);
+                    std::mem::swap(&mut self.cold[i], &mut cur_cold);
                     d = di;
                 }
             }
@@ -304,13 +324,14 @@ impl NodeTable {
             if self.buckets[j].is_vacant() || self.dist(j) == 0 {
                 break;
             }
-            self.buckets.swap(i, j);
+            self.swap(i, j);
             i = j;
         }
         self.buckets[i] = Node::vacant();
         self.len -= 1;
         if self.len == 0 {
             self.buckets = Vec::new();
+            self.cold = Vec::new();
         } else if self.buckets.len() > 4 * MIN_CAPACITY && self.len * 4 < self.buckets.len() {
             self.resize(self.len * 2);
         }
@@ -318,29 +339,33 @@ impl NodeTable {
 
     fn resize(&mut self, cap: usize) {
         let old = std::mem::take(&mut self.buckets);
+        let old_cold = std::mem::take(&mut self.cold);
         let mut buckets = Vec::with_capacity(cap);
         buckets.resize_with(cap, Node::vacant);
         self.buckets = buckets;
-        for node in old {
+        self.cold = vec![Cold::default(); cap];
+        for (node, cold) in old.into_iter().zip(old_cold) {
             if !node.is_vacant() {
-                self.place(node);
+                self.place(node, cold);
             }
         }
     }
 
     /// Inserts a node known to be absent (during resize).
-    fn place(&mut self, mut cur: Node) {
+    fn place(&mut self, mut cur: Node, mut cur_cold: Cold) {
         let n = self.buckets.len();
         let mut i = home(cur.key, n);
         let mut d = 0;
         loop {
             if self.buckets[i].is_vacant() {
                 self.buckets[i] = cur;
+                self.cold[i] = cur_cold;
                 return;
             }
             let di = self.dist(i);
             if di < d {
                 std::mem::swap(&mut self.buckets[i], &mut cur);
+                std::mem::swap(&mut self.cold[i], &mut cur_cold);
                 d = di;
             }
             d += 1;
@@ -358,9 +383,11 @@ mod tests {
     use std::collections::HashMap;
 
     #[test]
-    fn a_bucket_is_32_bytes() {
-        // Two buckets per cache line; the memory figures depend on it.
-        assert_eq!(std::mem::size_of::<Node>(), 32);
+    fn a_bucket_is_16_bytes_plus_16_cold() {
+        // Four walked buckets per cache line; the memory figures depend on
+        // both sizes.
+        assert_eq!(std::mem::size_of::<Node>(), 16);
+        assert_eq!(std::mem::size_of::<Cold>(), 16);
     }
 
     #[test]
@@ -386,9 +413,9 @@ mod tests {
         }
         for k in 0..3000u64 {
             let key = k | (5 << 58);
-            assert_eq!(t.get(key).is_some(), m.contains_key(&key), "{k}");
-            if let Some(n) = t.get(key) {
-                assert_eq!((n.local, n.parent), (key + 1, key + 2));
+            assert_eq!(t.info(key).is_some(), m.contains_key(&key), "{k}");
+            if let Some(info) = t.info(key) {
+                assert_eq!(info, (key + 1, key + 2));
             }
         }
         for k in 0..3000u64 {
