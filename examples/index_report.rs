@@ -175,6 +175,19 @@ fn overlap_us() -> (f64, usize) {
     overlap_us_with(1024, 250, 6250)
 }
 
+/// Stores `local` as one chain of worker `w` (engine hashes 0, 1, ...).
+fn store_chain(ix: &Index, w: u64, local: &[u64]) {
+    let blocks: Vec<StoredBlock> = local
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| StoredBlock {
+            engine_hash: i as u64,
+            local_hash: l,
+        })
+        .collect();
+    ix.store(wr(w), Tier::Device, None, &blocks).unwrap();
+}
+
 fn overlap_us_with(workers: u64, own: u64, query: usize) -> (f64, usize) {
     let ix = Index::new();
     let prompt: Vec<u64> = (0..6250u64).map(|i| i * 0x1_0000_0001 + 7).collect();
@@ -185,15 +198,7 @@ fn overlap_us_with(workers: u64, own: u64, query: usize) -> (f64, usize) {
         } else {
             local.extend((0..own).map(|i| (w << 40) | i));
         }
-        let blocks: Vec<StoredBlock> = local
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| StoredBlock {
-                engine_hash: i as u64,
-                local_hash: l,
-            })
-            .collect();
-        ix.store(wr(w), Tier::Device, None, &blocks).unwrap();
+        store_chain(&ix, w, &local);
     }
     let mut keys = Vec::new();
     sequence_hashes(&prompt[..query], PUBLIC_SEED, &mut keys);
@@ -226,15 +231,7 @@ fn overlap_cold_us() -> f64 {
                 .chain((0..30_000u64).map(|i| (w << 40) | i))
                 .collect()
         };
-        let blocks: Vec<StoredBlock> = local
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| StoredBlock {
-                engine_hash: i as u64,
-                local_hash: l,
-            })
-            .collect();
-        ix.store(wr(w), Tier::Device, None, &blocks).unwrap();
+        store_chain(&ix, w, &local);
     }
     let mut keys = Vec::new();
     sequence_hashes(&prompt, PUBLIC_SEED, &mut keys);
