@@ -17,13 +17,13 @@ struct Args {
     load: LoadArgs,
 }
 
-async fn run(server: &common::TestServer, extra: &[&str]) -> Report {
+async fn run(server: &common::TestServer, sessions: &str, extra: &[&str]) -> Report {
     let mut argv = vec![
         "x",
         "--workers",
         "4",
         "--sessions",
-        "4",
+        sessions,
         "--prefix-tokens",
         "512",
         "--mean-isl",
@@ -52,7 +52,7 @@ async fn run(server: &common::TestServer, extra: &[&str]) -> Report {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closed_loop_sessions_follow_the_cache_without_errors() {
     let server = common::start().await;
-    let r = run(&server, &[]).await;
+    let r = run(&server, "4", &[]).await;
     assert_eq!(r.errors, 0, "first error: {:?}", r.first_error);
     // Far more than the paced test below allows, so that one can fail.
     assert!(r.requests > 60, "{r:?}");
@@ -69,7 +69,9 @@ async fn closed_loop_sessions_follow_the_cache_without_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paced_run_starts_turns_at_the_offered_rate() {
     let server = common::start().await;
-    let r = run(&server, &["--rate", "8"]).await;
+    // 8 sessions, so that a slow machine still has a free session for
+    // every start time (each needs a turn done within 1 s).
+    let r = run(&server, "8", &["--rate", "8"]).await;
     assert_eq!(r.errors, 0, "first error: {:?}", r.first_error);
     assert_eq!(r.offered_rate, Some(8.0));
     // 8 turns/s over a 3 s window; turns straddling its edges are not

@@ -91,6 +91,10 @@ pub struct LoadArgs {
     pub settle_s: Option<f64>,
 }
 
+/// Bounds of `--rate` (turns/s): one turn a day to a million a second.
+const MIN_RATE: f64 = 1.0 / 86_400.0;
+const MAX_RATE: f64 = 1e6;
+
 /// A fully resolved workload.
 #[derive(Debug, Clone)]
 pub struct Workload {
@@ -113,6 +117,13 @@ impl LoadArgs {
         let sessions = self.sessions.unwrap_or(s);
         if workers == 0 || sessions == 0 || self.block_size == 0 {
             return Err("workers, sessions and block size must be > 0".into());
+        }
+        if let Some(r) = self.rate {
+            if !(r.is_finite() && (MIN_RATE..=MAX_RATE).contains(&r)) {
+                return Err(format!(
+                    "--rate must be between {MIN_RATE} and {MAX_RATE} turns/s, not {r}"
+                ));
+            }
         }
         let mocker = MockerConfig {
             workers,
@@ -375,6 +386,13 @@ mod tests {
             #[command(flatten)]
             l: LoadArgs,
         }
+        for bad in ["0", "-1", "NaN", "inf", "1e-30"] {
+            let arg = format!("--rate={bad}");
+            let w = <W as clap::Parser>::parse_from(["x", arg.as_str()]);
+            assert!(w.l.workload("127.0.0.1:1").is_err(), "--rate {bad}");
+        }
+        let w = <W as clap::Parser>::parse_from(["x", "--rate", "12.5"]);
+        assert_eq!(w.l.workload("127.0.0.1:1").unwrap().load.rate, Some(12.5));
         let w = <W as clap::Parser>::parse_from(["x", "--profile", "full", "--sessions", "10"]);
         let wl = w.l.workload("127.0.0.1:1").unwrap();
         assert_eq!(wl.mocker.workers, 1024);

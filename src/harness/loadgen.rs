@@ -84,9 +84,16 @@ pub struct LoadConfig {
     /// session starts its next turn as soon as the last one ends). Turns
     /// are spaced evenly; when every session is busy the rate falls short
     /// and no backlog builds up (so a slow server sees fewer turns, never a
-    /// burst), which the report's requests/s shows.
+    /// burst), which the report's requests/s shows. A turn waits for its
+    /// start time first, then for a `max_inflight` slot; the selection
+    /// latency is timed from the request's send, so keep `max_inflight` at
+    /// the session count (the `small` profile does) when comparing latency.
     pub rate: Option<f64>,
 }
+
+/// Longest spacing of paced turns (a rate below one turn a day is taken as
+/// one a day).
+const MAX_TURN_SPACING: Duration = Duration::from_secs(86_400);
 
 impl Default for LoadConfig {
     fn default() -> Self {
@@ -569,8 +576,8 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
         max_len,
         pacer: cfg
             .rate
-            .filter(|r| r.is_finite() && *r > 0.0)
-            .map(|r| (Mutex::new(Instant::now()), Duration::from_secs_f64(1.0 / r))),
+            .and_then(|r| Duration::try_from_secs_f64(1.0 / r).ok())
+            .map(|every| (Mutex::new(Instant::now()), every.min(MAX_TURN_SPACING))),
     });
     let mut set = JoinSet::new();
     let span = (max_len - min_len) / cfg.turn_growth.max(1);
@@ -616,7 +623,7 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
     let mut rep = Report {
         server: server.to_string(),
         flow: format!("{:?}", cfg.flow).to_lowercase(),
-        offered_rate: cfg.rate,
+        offered_rate: sh.pacer.as_ref().and(cfg.rate),
         workers: mocker.config().workers,
         sessions: cfg.sessions,
         mean_isl_target: cfg.mean_isl,

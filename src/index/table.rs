@@ -344,6 +344,7 @@ impl NodeTable {
         buckets.resize_with(cap, Node::vacant);
         self.buckets = buckets;
         self.cold = vec![Cold::default(); cap];
+        debug_assert_eq!(old.len(), old_cold.len());
         for (node, cold) in old.into_iter().zip(old_cold) {
             if !node.is_vacant() {
                 self.place(node, cold);

@@ -516,7 +516,11 @@ impl Ledger {
         let mut g = self.booking_shard(id).lock();
         let e = g.get_mut(id).ok_or(ReserveError::NotFound)?;
         let (shard, m) = self.ident_shard(x);
-        hold(&mut shard.table.lock(), x, m, &e.cell);
+        {
+            let mut t = shard.table.lock();
+            hold(&mut t, x, m, &e.cell);
+            shard.hint.publish(&t);
+        }
         e.blocks.push(x);
         if let Some(w) = decay_fraction.and_then(weight_fp) {
             for &b in e.blocks.iter().rev() {
