@@ -128,11 +128,11 @@ type BookingShard = Mutex<HashMap<Box<str>, Entry>>;
 type RankShard = RwLock<HashMap<WorkerRank, Arc<RankCell>, IdentBuild>>;
 type IdentMap = IdentTable<Holders>;
 
-/// One identity shard: its table, and where the table's buckets are (for
-/// prefetching before the lock is taken).
+/// One identity shard: its table, and the table's prefetch hint (read
+/// without the lock).
 struct IdentShard {
     table: Mutex<IdentMap>,
-    hint: Hint,
+    hint: Arc<Hint<Holders>>,
 }
 
 struct Entry {
@@ -429,9 +429,12 @@ impl Ledger {
                 .map(|_| RwLock::new(HashMap::with_hasher(IdentBuild { key })))
                 .collect(),
             idents: (0..IDENT_SHARDS)
-                .map(|_| IdentShard {
-                    table: Mutex::new(IdentTable::new(key)),
-                    hint: Hint::default(),
+                .map(|_| {
+                    let table = IdentTable::new(key);
+                    IdentShard {
+                        hint: table.hint(),
+                        table: Mutex::new(table),
+                    }
                 })
                 .collect(),
             slots: Mutex::new(SlotAlloc::default()),
@@ -516,11 +519,7 @@ impl Ledger {
         let mut g = self.booking_shard(id).lock();
         let e = g.get_mut(id).ok_or(ReserveError::NotFound)?;
         let (shard, m) = self.ident_shard(x);
-        {
-            let mut t = shard.table.lock();
-            hold(&mut t, x, m, &e.cell);
-            shard.hint.publish(&t);
-        }
+        hold(&mut shard.table.lock(), x, m, &e.cell);
         e.blocks.push(x);
         if let Some(w) = decay_fraction.and_then(weight_fp) {
             for &b in e.blocks.iter().rev() {
@@ -714,9 +713,7 @@ impl Ledger {
         if xs.len() < GROUP_MIN {
             for &x in xs {
                 let (shard, m) = self.ident_shard(x);
-                let mut g = shard.table.lock();
-                f(&mut g, x, m);
-                shard.hint.publish(&g);
+                f(&mut shard.table.lock(), x, m);
             }
             return;
         }
@@ -756,7 +753,6 @@ impl Ledger {
                     let (x, m) = grouped[p];
                     f(&mut g, x, m);
                 }
-                shard.hint.publish(&g);
             }
         });
     }

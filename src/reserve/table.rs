@@ -6,17 +6,20 @@
 //! knows in advance, and the live set (hundreds of thousands of identities)
 //! is far larger than L2, so each touch is a cache miss. The ledger fetches
 //! the home bucket of identity `i + D` while it works on identity `i`; that
-//! needs the bucket address, which a `HashMap` does not expose. A shard
-//! publishes its bucket array's address and mask in a [`Hint`] (atomics, so
-//! the ledger can prefetch into shards it has not locked yet; a stale hint
-//! costs a useless prefetch, never a wrong answer).
+//! needs the bucket address, which a `HashMap` does not expose. A table
+//! publishes its bucket array's address and mask in a [`Hint`] whenever it
+//! reallocates the array (atomics, so the ledger can prefetch into shards it
+//! has not locked yet; a stale hint costs a useless prefetch, never a wrong
+//! answer).
 //!
 //! Positions come from the identity mixed with the ledger's random key
 //! (`ident::mix`), so clients choosing identities cannot choose collisions.
 //! The shard index uses bits 48..56 of the mixed value, the bucket its low
 //! bits.
 
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 /// One bucket: an identity and its value; `None` marks a vacant bucket.
 struct Bucket<V> {
@@ -29,34 +32,38 @@ pub(crate) struct IdentTable<V> {
     len: usize,
     /// Mixing key (the ledger's), to find a resident's home when shifting.
     key: u64,
+    /// Where `buckets` is, for prefetching by threads without the lock;
+    /// updated here whenever `buckets` is reallocated.
+    hint: Arc<Hint<V>>,
 }
 
-/// Where a shard's buckets are, for prefetching without its lock.
-#[derive(Default)]
-pub(crate) struct Hint {
+/// Where a table's buckets are, for prefetching without its lock. Only the
+/// table writes it, when its bucket array changes; a stale or torn view
+/// costs a useless prefetch, never a wrong answer.
+pub(crate) struct Hint<V> {
+    /// Address of the bucket array; 0 for a table without buckets (an empty
+    /// `Vec`'s pointer is dangling and its mask would be all ones).
     base: AtomicUsize,
     mask: AtomicUsize,
-    stride: AtomicUsize,
+    _buckets: PhantomData<fn() -> V>,
 }
 
-impl Hint {
-    /// Records `t`'s bucket array (call with `t`'s lock held, after changes).
-    /// An empty table publishes address 0, which `prefetch` skips (its
-    /// `Vec` pointer is a dangling non-null one and its mask would be all
-    /// ones).
-    #[inline]
-    pub(crate) fn publish<V>(&self, t: &IdentTable<V>) {
-        let (base, mask) = if t.buckets.is_empty() {
-            (0, 0)
-        } else {
-            (t.buckets.as_ptr() as usize, t.mask())
-        };
-        if self.base.load(Ordering::Relaxed) != base || self.mask.load(Ordering::Relaxed) != mask {
-            self.base.store(base, Ordering::Relaxed);
-            self.mask.store(mask, Ordering::Relaxed);
-            self.stride
-                .store(std::mem::size_of::<Bucket<V>>(), Ordering::Relaxed);
+impl<V> Hint<V> {
+    fn new() -> Hint<V> {
+        Hint {
+            base: AtomicUsize::new(0),
+            mask: AtomicUsize::new(0),
+            _buckets: PhantomData,
         }
+    }
+
+    fn set(&self, buckets: &[Bucket<V>]) {
+        let (base, mask) = match buckets.len() {
+            0 => (0, 0),
+            n => (buckets.as_ptr() as usize, n - 1),
+        };
+        self.base.store(base, Ordering::Relaxed);
+        self.mask.store(mask, Ordering::Relaxed);
     }
 
     /// Hints the CPU to fetch the home bucket of `mixed`. Never faults:
@@ -67,10 +74,9 @@ impl Hint {
         if base == 0 {
             return;
         }
-        // Wrapping: the three loads may come from different publications (a
-        // torn view costs a useless prefetch, nothing else).
+        // Wrapping: the two loads may come from different updates.
         let i = mixed as usize & self.mask.load(Ordering::Relaxed);
-        let p = base.wrapping_add(i.wrapping_mul(self.stride.load(Ordering::Relaxed)));
+        let p = base.wrapping_add(i.wrapping_mul(std::mem::size_of::<Bucket<V>>()));
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `_mm_prefetch` does not access memory architecturally; it
         // cannot fault whatever the address.
@@ -91,7 +97,13 @@ impl<V> IdentTable<V> {
             buckets: Vec::new(),
             len: 0,
             key,
+            hint: Arc::new(Hint::new()),
         }
+    }
+
+    /// The table's prefetch hint, to keep outside its lock.
+    pub(crate) fn hint(&self) -> Arc<Hint<V>> {
+        Arc::clone(&self.hint)
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -196,6 +208,7 @@ impl<V> IdentTable<V> {
         if self.len == 0 && self.buckets.len() > MIN_CAPACITY * 64 {
             // A drained big shard gives its memory back.
             self.buckets = Vec::new();
+            self.hint.set(&self.buckets);
         }
         out
     }
@@ -224,6 +237,7 @@ impl<V> IdentTable<V> {
                 };
             }
         }
+        self.hint.set(&self.buckets);
     }
 
     /// Number of buckets.
@@ -278,28 +292,33 @@ mod tests {
     }
 
     #[test]
-    fn an_empty_tables_hint_is_skipped_not_followed() {
+    fn the_hint_follows_the_bucket_array_and_skips_empty_tables() {
         let key = 3;
         let mut t: IdentTable<u8> = IdentTable::new(key);
-        let hint = Hint::default();
-        hint.publish(&t);
+        let hint = t.hint();
         assert_eq!(hint.base.load(Ordering::Relaxed), 0);
         // Would overflow `mixed * stride` with an all-ones mask.
         hint.prefetch(u64::MAX);
         t.get_or_insert_with(5, mix(5, key), || 1);
-        hint.publish(&t);
-        assert_ne!(hint.base.load(Ordering::Relaxed), 0);
+        assert_eq!(
+            hint.base.load(Ordering::Relaxed),
+            t.buckets.as_ptr() as usize
+        );
         assert_eq!(hint.mask.load(Ordering::Relaxed), t.capacity() - 1);
         hint.prefetch(u64::MAX);
-        // A drained big table drops its buckets: back to address 0.
+        // Growth moves the array; a drained big table drops it: back to 0.
         for i in 0..5000u64 {
             t.get_or_insert_with(i, mix(i, key), || 0);
+            assert_eq!(
+                hint.base.load(Ordering::Relaxed),
+                t.buckets.as_ptr() as usize
+            );
+            assert_eq!(hint.mask.load(Ordering::Relaxed), t.capacity() - 1);
         }
         for i in 0..5000u64 {
             t.remove(i, mix(i, key));
         }
         assert_eq!(t.capacity(), 0);
-        hint.publish(&t);
         assert_eq!(hint.base.load(Ordering::Relaxed), 0);
         hint.prefetch(u64::MAX);
     }
