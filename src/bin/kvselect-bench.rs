@@ -39,12 +39,6 @@ struct Cli {
     load: LoadArgs,
 }
 
-/// The think time the workload resolves to (the profile's unless set).
-fn wl_think_ms(load: &LoadArgs) -> u128 {
-    load.workload("127.0.0.1:1")
-        .map_or(0, |w| w.load.think.as_millis())
-}
-
 fn ratio(a: Option<f64>, b: Option<f64>) -> String {
     match (a, b) {
         (Some(a), Some(b)) if b > 0.0 => format!("{:.1}x", a / b),
@@ -185,7 +179,7 @@ fn main() {
         w.mean_isl_target,
         w.mean_isl_observed,
         w.flow,
-        match (cli.load.rate, wl_think_ms(&cli.load)) {
+        match (w.offered_rate, w.think_ms) {
             (Some(r), _) => format!("offered {r} turns/s"),
             (None, 0) => "closed loop".to_string(),
             (None, t) => format!("unpaced, {t} ms think time"),

@@ -124,8 +124,10 @@ impl Default for LoadConfig {
 pub struct Report {
     pub server: String,
     pub flow: String,
-    /// Offered turns/s (`None`: closed loop).
+    /// Offered turns/s (`None`: unpaced).
     pub offered_rate: Option<f64>,
+    /// Pause of a session between its turns.
+    pub think_ms: u64,
     pub workers: usize,
     pub sessions: usize,
     pub mean_isl_target: usize,
@@ -375,8 +377,7 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
     let mut hist_json: Vec<u8> = Vec::new();
     let mut hist_json_len = prefix; // history tokens covered by hist_json
     loop {
-        let now = Instant::now();
-        if now >= sh.end {
+        if Instant::now() >= sh.end {
             break;
         }
         sh.pace().await;
@@ -624,6 +625,7 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
         server: server.to_string(),
         flow: format!("{:?}", cfg.flow).to_lowercase(),
         offered_rate: sh.pacer.as_ref().and(cfg.rate),
+        think_ms: cfg.think.as_millis() as u64,
         workers: mocker.config().workers,
         sessions: cfg.sessions,
         mean_isl_target: cfg.mean_isl,
