@@ -335,3 +335,52 @@ async fn malformed_messages_are_dropped_and_the_stream_flows() {
         .await
     );
 }
+
+/// The value of the unlabelled sample `name` in GET /metrics.
+async fn metric(s: &TestServer, name: &str) -> u64 {
+    let r = s.get("/metrics").await;
+    assert_eq!(r.status, 200);
+    let text = r.text();
+    let line = text
+        .lines()
+        .find(|l| l.split(' ').next() == Some(name))
+        .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{text}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_applied_and_refused_events() {
+    let s = start().await;
+    let mut p = kv_worker(&s, 200, "m").await;
+    let before = |n: &'static str| format!("kvselect_ingest_{n}_total");
+    let stored0 = metric(&s, &before("blocks_stored")).await;
+    let removed0 = metric(&s, &before("blocks_removed")).await;
+    let orphan0 = metric(&s, &before("stores_dropped_unknown_parent")).await;
+    let malformed0 = metric(&s, &before("malformed_dropped")).await;
+    p.send_events(
+        &[
+            stored(&[11, 12, 13], None, &tokens(1, 48), 16, "GPU"),
+            // Its parent was never stored: refused and counted.
+            stored(&[21], Some(999_999), &tokens(100, 115), 16, "GPU"),
+            removed(&[13], "GPU"),
+        ],
+        None,
+    );
+    p.socket
+        .send_multipart([&b""[..], &p.seq.to_be_bytes()[..], &b"\xc1"[..]], 0)
+        .unwrap();
+    p.seq += 1;
+    assert!(
+        eventually(WAIT, || async {
+            metric(&s, &before("malformed_dropped")).await == malformed0 + 1
+        })
+        .await
+    );
+    assert_eq!(metric(&s, &before("blocks_stored")).await, stored0 + 3);
+    assert_eq!(metric(&s, &before("blocks_removed")).await, removed0 + 1);
+    assert_eq!(
+        metric(&s, &before("stores_dropped_unknown_parent")).await,
+        orphan0 + 1
+    );
+    assert_eq!(device_blocks(&s, "m", &tokens(1, 48), 200).await.0, 2);
+}
