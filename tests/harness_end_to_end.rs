@@ -77,4 +77,6 @@ async fn a_paced_run_starts_turns_at_the_offered_rate() {
     // 8 turns/s over a 3 s window; turns straddling its edges are not
     // counted, so a little below, and never a burst above.
     assert!((16..=26).contains(&r.requests), "{r:?}");
+    // Paced turns still follow the cache.
+    assert!(r.kv_hit_ratio > 0.6, "{r:?}");
 }
