@@ -1037,6 +1037,10 @@ impl App {
 
     /// GET /metrics: Prometheus text exposition.
     pub fn metrics_text(&self) -> String {
+        // `[(name, value)]` of the named fields of a counters struct.
+        macro_rules! fields {
+            ($s:expr; $($f:ident),* $(,)?) => { [$((stringify!($f), $s.$f)),*] };
+        }
         use std::fmt::Write;
         let mut out = String::new();
         let snap = self.catalog.snapshot();
@@ -1085,35 +1089,14 @@ impl App {
             ("engine_restarts", c.restarts),
             ("stale_dropped", c.stale_dropped),
             ("connect_errors", c.connect_errors),
-            ("events_applied", c.apply.events_applied),
-            ("blocks_stored", c.apply.blocks_stored),
-            ("blocks_removed", c.apply.blocks_removed),
-            ("clears", c.apply.clears),
-            (
-                "stores_dropped_block_size",
-                c.apply.stores_dropped_block_size,
-            ),
-            ("stores_dropped_shape", c.apply.stores_dropped_shape),
-            (
-                "stores_dropped_self_reference",
-                c.apply.stores_dropped_self_reference,
-            ),
-            (
-                "stores_dropped_unknown_parent",
-                c.apply.stores_dropped_unknown_parent,
-            ),
-            ("stores_dropped_other", c.apply.stores_dropped_other),
-            ("events_ignored_group", c.apply.events_ignored_group),
-            (
-                "events_dropped_unknown_medium",
-                c.apply.events_dropped_unknown_medium,
-            ),
-            ("events_dropped_non_local", c.apply.events_dropped_non_local),
-            (
-                "events_dropped_unknown_type",
-                c.apply.events_dropped_unknown_type,
-            ),
-        ] {
+        ]
+        .into_iter()
+        .chain(
+            fields!(c.apply; events_applied, blocks_stored, blocks_removed, clears,
+            stores_dropped_block_size, stores_dropped_shape, stores_dropped_self_reference,
+            stores_dropped_unknown_parent, stores_dropped_other, events_ignored_group,
+            events_dropped_unknown_medium, events_dropped_non_local, events_dropped_unknown_type),
+        ) {
             let _ = writeln!(out, "# TYPE kvselect_ingest_{name}_total counter");
             let _ = writeln!(out, "kvselect_ingest_{name}_total {v}");
         }
