@@ -617,3 +617,41 @@ fn dp_ranks_are_independent_listeners_and_upsert_keeps_unchanged_ones() {
     });
     assert_eq!(hub.stats().counters.gaps, 0);
 }
+
+/// A listener that stops after one message per round (the cap) must come
+/// back for the rest at once: its socket's descriptor does not signal again
+/// for messages already queued. A missed wake-up would wait for the 1 s idle
+/// poll per message, so 200 queued batches would take minutes, not the
+/// wait's 10 s.
+#[test]
+fn queued_messages_beyond_the_round_cap_are_read_without_new_signals() {
+    let ctx = zmq::Context::new();
+    let p = Publisher::new(&ctx);
+    let index = Arc::new(Index::new());
+    let hub = IngestHub::new(IngestConfig {
+        threads: 1,
+        max_msgs_per_round: 1,
+        ..IngestConfig::default()
+    });
+    hub.set_worker(1, vec![spec(&index, &p.endpoint, None)]);
+    p.wait_subscriber();
+    let before = hub.stats().counters.batches_applied;
+    // One burst, queued in the SUB before the thread reads the first.
+    let n = 200u64;
+    for seq in 0..n {
+        let t0 = seq as u32 * BS + 1;
+        let b = batch(&[store(&[5000 + seq], None, range(t0, t0 + BS - 1))], None);
+        p.send(seq, &b);
+    }
+    let started = std::time::Instant::now();
+    wait_until("every queued batch applied", || {
+        hub.stats().counters.batches_applied == before + n
+    });
+    // Far below one idle poll (1 s) per message.
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(hub.stats().counters.gaps, 0);
+}

@@ -5,7 +5,8 @@
 //! listener lifetimes (`kv-events.md` §5.1, §5.5, §6.7).
 //!
 //! Threading: ZMQ sockets are not thread-safe, so a fixed pool of OS threads
-//! each *own* their listeners' sockets and `zmq::poll` them. The hub talks to a
+//! each *own* their listeners' sockets and poll their descriptors (`ZMQ_FD`,
+//! edge-triggered; see `Thread::run`). The hub talks to a
 //! thread through a command channel plus an inproc "doorbell" socket that is
 //! part of the poll set, so a command wakes the thread at once; every command
 //! is acknowledged, which makes stopping synchronous: once `set_worker` /
@@ -28,6 +29,7 @@ use super::apply::{Applier, ApplyCounts};
 use super::decode::{decode_batch, decode_message, decode_replay_reply, KvBatch, ReplayReply};
 use crate::index::Index;
 use std::collections::HashMap;
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
 use std::sync::{Arc, Mutex};
@@ -611,7 +613,7 @@ impl Thread {
     fn run(&mut self) {
         let mut frames = Frames::default();
         let mut watched: Vec<Watch> = Vec::new();
-        let mut ready: Vec<bool> = Vec::new();
+        let mut fds: Vec<libc::pollfd> = Vec::new();
         loop {
             let now = Instant::now();
             let mut timeout = IDLE_POLL;
@@ -620,42 +622,74 @@ impl Thread {
                     timeout = timeout.min(at.saturating_duration_since(now));
                 }
             }
+            // Sockets are polled through their descriptors (ZMQ_FD), not
+            // with `zmq::poll` on the sockets: that asks every socket for
+            // ZMQ_EVENTS after every wake-up, one syscall each, so one
+            // message cost ~70 syscalls with 32 listeners per thread. A
+            // ZMQ_FD is edge-triggered: it signals new commands, not
+            // readable messages. So a socket whose descriptor fired is asked
+            // for its events once (which processes its commands) and read
+            // until empty; a socket left unemptied (the per-round cap, a
+            // parked SUB) or new to the poll set is `hot` and checked next
+            // round without waiting.
             watched.clear();
-            watched.extend(self.listeners.iter().map(Listener::watch));
-            let (doorbell_ready, any) = {
-                let mut items = Vec::with_capacity(self.listeners.len() + 1);
-                items.push(self.doorbell.as_poll_item(zmq::POLLIN));
-                for (l, w) in self.listeners.iter().zip(&watched) {
-                    match (w, &l.sub, &l.dealer) {
-                        (Watch::Sub, Some(s), _) | (Watch::Dealer, _, Some(s)) => {
-                            items.push(s.as_poll_item(zmq::POLLIN))
-                        }
-                        _ => {}
-                    }
+            fds.clear();
+            fds.push(pollfd(self.doorbell.get_fd().ok()));
+            for l in &mut self.listeners {
+                let w = l.watch();
+                let fd = l.watched(w).and_then(|s| s.get_fd().ok());
+                if l.polled != (w, fd) {
+                    l.polled = (w, fd);
+                    l.hot = true;
                 }
-                // Round up so a 0.4 ms deadline does not spin at 0 ms.
-                let ms = timeout.as_micros().div_ceil(1000) as i64;
-                if let Err(e) = zmq::poll(&mut items, ms) {
-                    tracing::warn!(error = %e, "zmq poll failed");
-                }
-                ready.clear();
-                let mut it = items.iter().skip(1);
-                for w in &watched {
-                    let r = *w != Watch::None && it.next().is_some_and(|i| i.is_readable());
-                    ready.push(r);
-                }
-                (items[0].is_readable(), ready.iter().any(|&r| r))
+                watched.push(w);
+                fds.push(pollfd(fd));
+            }
+            let any_hot = self
+                .listeners
+                .iter()
+                .zip(&watched)
+                .any(|(l, w)| l.hot && *w != Watch::None);
+            // Round up so a 0.4 ms deadline does not spin at 0 ms.
+            let ms = if any_hot {
+                0
+            } else {
+                timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
             };
-            if any {
-                for (i, l) in self.listeners.iter_mut().enumerate() {
-                    match (ready[i], watched[i]) {
-                        (true, Watch::Sub) => l.drain_sub(&mut frames, &self.env),
-                        (true, Watch::Dealer) => l.drain_dealer(&mut frames, &self.env),
-                        _ => {}
-                    }
+            // SAFETY: `fds` is a live, exclusively borrowed array of
+            // `fds.len()` pollfd structs for the duration of the call.
+            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+            if rc < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    tracing::warn!(error = %e, "poll failed");
                 }
             }
-            if doorbell_ready {
+            if rc == 0 && ms > 0 {
+                // A quiet wait ran out: check every socket once, so a missed
+                // edge could never stall a listener longer than IDLE_POLL.
+                for l in &mut self.listeners {
+                    l.hot = true;
+                }
+            }
+            let fired = |i: usize| fds[i].revents != 0;
+            for (i, l) in self.listeners.iter_mut().enumerate() {
+                let w = watched[i];
+                if w == Watch::None || !(l.hot || fired(i + 1)) {
+                    continue;
+                }
+                let readable = l
+                    .watched(w)
+                    .and_then(|s| s.get_events().ok())
+                    .is_some_and(|ev| ev.contains(zmq::POLLIN));
+                l.hot = readable
+                    && !match w {
+                        Watch::Sub => l.drain_sub(&mut frames, &self.env),
+                        _ => l.drain_dealer(&mut frames, &self.env),
+                    };
+            }
+            if fired(0) {
+                let _ = self.doorbell.get_events();
                 while self.doorbell.recv_bytes(zmq::DONTWAIT).is_ok() {}
             }
             // Commands are checked every round, not only on a doorbell: the
@@ -686,6 +720,16 @@ impl Thread {
                 }
             }
         }
+    }
+}
+
+/// A poll entry for readability of `fd`; a negative fd (no socket) is
+/// ignored by `poll`.
+fn pollfd(fd: Option<RawFd>) -> libc::pollfd {
+    libc::pollfd {
+        fd: fd.unwrap_or(-1),
+        events: libc::POLLIN,
+        revents: 0,
     }
 }
 
@@ -773,6 +817,13 @@ struct Listener {
     live_last: Option<u64>,
     applier: Applier,
     shared: Arc<Shared>,
+    /// The socket polled last round (kind and descriptor): when it changes
+    /// the new one is checked once without waiting for its descriptor.
+    polled: (Watch, Option<RawFd>),
+    /// Check the watched socket this round without waiting for its
+    /// descriptor: it may hold messages that no longer signal (see
+    /// `Thread::run`).
+    hot: bool,
 }
 
 impl Listener {
@@ -797,6 +848,17 @@ impl Listener {
             cursor: None,
             live_last: None,
             shared,
+            polled: (Watch::None, None),
+            hot: true,
+        }
+    }
+
+    /// The socket to poll this round, if any.
+    fn watched(&self, w: Watch) -> Option<&zmq::Socket> {
+        match w {
+            Watch::Sub => self.sub.as_ref(),
+            Watch::Dealer => self.dealer.as_ref(),
+            Watch::None => None,
         }
     }
 
@@ -862,19 +924,21 @@ impl Listener {
         }
     }
 
-    fn drain_sub(&mut self, frames: &mut Frames, env: &Env) {
+    /// Reads and applies up to `max_msgs_per_round` messages; true when the
+    /// SUB was read until it had none left.
+    fn drain_sub(&mut self, frames: &mut Frames, env: &Env) -> bool {
         for _ in 0..env.config.max_msgs_per_round {
             // A replay started by the previous message parks the SUB.
             if self.replay.is_some() {
-                return;
+                return false;
             }
-            let Some(sub) = &self.sub else { return };
+            let Some(sub) = &self.sub else { return false };
             match frames.recv(sub) {
                 Ok(true) => {}
-                Ok(false) => return,
+                Ok(false) => return true,
                 Err(e) => {
                     tracing::warn!(error = %e, "KV-events recv failed");
-                    return;
+                    return false;
                 }
             }
             inc(&env.counters.messages);
@@ -893,6 +957,7 @@ impl Listener {
                 }
             }
         }
+        false
     }
 
     fn on_live(&mut self, seq: u64, batch: KvBatch, env: &Env) {
@@ -968,17 +1033,19 @@ impl Listener {
         self.replay_backoff = (self.replay_backoff * 2).min(config.reconnect_max);
     }
 
-    fn drain_dealer(&mut self, frames: &mut Frames, env: &Env) {
+    /// Reads up to `max_msgs_per_round` replay replies; true when the DEALER
+    /// was read until it had none left.
+    fn drain_dealer(&mut self, frames: &mut Frames, env: &Env) -> bool {
         let counters = &env.counters;
         for _ in 0..env.config.max_msgs_per_round {
-            let Some(d) = &self.dealer else { return };
+            let Some(d) = &self.dealer else { return false };
             match frames.recv(d) {
                 Ok(true) => {}
-                Ok(false) => return,
+                Ok(false) => return true,
                 Err(e) => {
                     tracing::warn!(error = %e, "replay recv failed");
                     self.finish_replay(false, env);
-                    return;
+                    return false;
                 }
             }
             if let Some(r) = &mut self.replay {
@@ -993,7 +1060,7 @@ impl Listener {
             match reply {
                 Some(ReplayReply::End) => {
                     self.finish_replay(true, env);
-                    return;
+                    return false;
                 }
                 Some(ReplayReply::Batch { seq, payload }) => {
                     let expected = self.cursor.map_or(0, |c| c + 1);
@@ -1019,6 +1086,7 @@ impl Listener {
                 None => inc(&counters.malformed),
             }
         }
+        false
     }
 
     fn finish_replay(&mut self, ok: bool, env: &Env) {
