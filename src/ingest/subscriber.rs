@@ -614,6 +614,7 @@ impl Thread {
         let mut frames = Frames::default();
         let mut watched: Vec<Watch> = Vec::new();
         let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut last_sweep = Instant::now();
         loop {
             let now = Instant::now();
             let mut timeout = IDLE_POLL;
@@ -665,9 +666,13 @@ impl Thread {
                     tracing::warn!(error = %e, "poll failed");
                 }
             }
-            if rc == 0 && ms > 0 {
-                // A quiet wait ran out: check every socket once, so a missed
-                // edge could never stall a listener longer than IDLE_POLL.
+            // Once per IDLE_POLL, busy or not, every socket is checked, so
+            // a missed edge could never stall a listener (or the doorbell)
+            // for longer than that.
+            let after = Instant::now();
+            let sweep = after.duration_since(last_sweep) >= IDLE_POLL;
+            if sweep {
+                last_sweep = after;
                 for l in &mut self.listeners {
                     l.hot = true;
                 }
@@ -688,7 +693,7 @@ impl Thread {
                         _ => l.drain_dealer(&mut frames, &self.env),
                     };
             }
-            if fired(0) {
+            if fired(0) || sweep {
                 let _ = self.doorbell.get_events();
                 while self.doorbell.recv_bytes(zmq::DONTWAIT).is_ok() {}
             }
