@@ -352,11 +352,11 @@ async fn metric(s: &TestServer, name: &str) -> u64 {
 async fn metrics_count_applied_and_refused_events() {
     let s = start().await;
     let mut p = kv_worker(&s, 200, "m").await;
-    let before = |n: &'static str| format!("kvselect_ingest_{n}_total");
-    let stored0 = metric(&s, &before("blocks_stored")).await;
-    let removed0 = metric(&s, &before("blocks_removed")).await;
-    let orphan0 = metric(&s, &before("stores_dropped_unknown_parent")).await;
-    let malformed0 = metric(&s, &before("malformed_dropped")).await;
+    let name = |n: &'static str| format!("kvselect_ingest_{n}_total");
+    let stored0 = metric(&s, &name("blocks_stored")).await;
+    let removed0 = metric(&s, &name("blocks_removed")).await;
+    let orphan0 = metric(&s, &name("stores_dropped_unknown_parent")).await;
+    let malformed0 = metric(&s, &name("malformed_dropped")).await;
     p.send_events(
         &[
             stored(&[11, 12, 13], None, &tokens(1, 48), 16, "GPU"),
@@ -372,14 +372,14 @@ async fn metrics_count_applied_and_refused_events() {
     p.seq += 1;
     assert!(
         eventually(WAIT, || async {
-            metric(&s, &before("malformed_dropped")).await == malformed0 + 1
+            metric(&s, &name("malformed_dropped")).await == malformed0 + 1
         })
         .await
     );
-    assert_eq!(metric(&s, &before("blocks_stored")).await, stored0 + 3);
-    assert_eq!(metric(&s, &before("blocks_removed")).await, removed0 + 1);
+    assert_eq!(metric(&s, &name("blocks_stored")).await, stored0 + 3);
+    assert_eq!(metric(&s, &name("blocks_removed")).await, removed0 + 1);
     assert_eq!(
-        metric(&s, &before("stores_dropped_unknown_parent")).await,
+        metric(&s, &name("stores_dropped_unknown_parent")).await,
         orphan0 + 1
     );
     assert_eq!(device_blocks(&s, "m", &tokens(1, 48), 200).await.0, 2);

@@ -643,7 +643,7 @@ fn queued_messages_beyond_the_round_cap_are_read_without_new_signals() {
         let b = batch(&[store(&[5000 + seq], None, range(t0, t0 + BS - 1))], None);
         p.send(seq, &b);
     }
-    let started = std::time::Instant::now();
+    let started = Instant::now();
     wait_until("every queued batch applied", || {
         hub.stats().counters.batches_applied == before + n
     });

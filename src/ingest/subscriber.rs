@@ -612,7 +612,6 @@ enum Watch {
 impl Thread {
     fn run(&mut self) {
         let mut frames = Frames::default();
-        let mut watched: Vec<Watch> = Vec::new();
         let mut fds: Vec<libc::pollfd> = Vec::new();
         let mut last_sweep = Instant::now();
         loop {
@@ -633,7 +632,6 @@ impl Thread {
             // until empty; a socket left unemptied (the per-round cap, a
             // parked SUB) or new to the poll set is `hot` and checked next
             // round without waiting.
-            watched.clear();
             fds.clear();
             fds.push(pollfd(self.doorbell.get_fd().ok()));
             for l in &mut self.listeners {
@@ -643,14 +641,12 @@ impl Thread {
                     l.polled = (w, fd);
                     l.hot = true;
                 }
-                watched.push(w);
                 fds.push(pollfd(fd));
             }
             let any_hot = self
                 .listeners
                 .iter()
-                .zip(&watched)
-                .any(|(l, w)| l.hot && *w != Watch::None);
+                .any(|l| l.hot && l.polled.0 != Watch::None);
             // Round up so a 0.4 ms deadline does not spin at 0 ms.
             let ms = if any_hot {
                 0
@@ -679,7 +675,7 @@ impl Thread {
             }
             let fired = |i: usize| fds[i].revents != 0;
             for (i, l) in self.listeners.iter_mut().enumerate() {
-                let w = watched[i];
+                let w = l.polled.0;
                 if w == Watch::None || !(l.hot || fired(i + 1)) {
                     continue;
                 }
@@ -822,8 +818,8 @@ struct Listener {
     live_last: Option<u64>,
     applier: Applier,
     shared: Arc<Shared>,
-    /// The socket polled last round (kind and descriptor): when it changes
-    /// the new one is checked once without waiting for its descriptor.
+    /// The socket in this round's poll set (kind and descriptor), set when
+    /// the set is built; when it changes, the new one is `hot`.
     polled: (Watch, Option<RawFd>),
     /// Check the watched socket this round without waiting for its
     /// descriptor: it may hold messages that no longer signal (see
@@ -854,7 +850,7 @@ impl Listener {
             live_last: None,
             shared,
             polled: (Watch::None, None),
-            hot: true,
+            hot: false,
         }
     }
 
