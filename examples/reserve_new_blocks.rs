@@ -5,13 +5,18 @@
 //! new_blocks for 1,024 candidate ranks x a 6,250-identity prompt, in three
 //! states, against a naive peer (one HashSet per rank, every identity probed
 //! on every rank: O(ranks x identities)); plus loads() and book/free cost.
+//! Everything runs twice in one process: with `Arbitrary` identities (the
+//! identity table) and with `Chained` ones (the per-rank prefix path; the
+//! test identities have the chain property: two lists share a prefix and
+//! nothing after it). The last lines give the chained/table ratio of a
+//! harness-shaped turn.
 
 use std::collections::HashSet;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use kvselect::index::WorkerRank;
-use kvselect::reserve::{Booking, Ledger};
+use kvselect::reserve::{Booking, IdentityForm, Ledger};
 
 const RANKS: u64 = 1024;
 const PROMPT: u64 = 6250;
@@ -38,6 +43,23 @@ fn naive(sets: &[HashSet<u64>], ids: &[u64], out: &mut Vec<u64>) {
 }
 
 fn main() {
+    let table = run(IdentityForm::Arbitrary);
+    let chained = run(IdentityForm::Chained);
+    println!();
+    for (i, name) in ["new_blocks", "book", "free"].iter().enumerate() {
+        println!(
+            "turn {name}: table/chained = {:.1}x ({:.1} us / {:.1} us)",
+            table[i].as_secs_f64() / chained[i].as_secs_f64(),
+            table[i].as_secs_f64() * 1e6,
+            chained[i].as_secs_f64() * 1e6
+        );
+    }
+}
+
+/// Runs every case with identities of `form`; returns the harness-shaped
+/// turn's medians (new_blocks, book, free).
+fn run(form: IdentityForm) -> [Duration; 3] {
+    println!("== {form:?} identities");
     let ranks: Vec<WorkerRank> = (0..RANKS)
         .map(|i| WorkerRank {
             worker_id: 1000 + i / 8,
@@ -64,7 +86,7 @@ fn main() {
     let ledger = Ledger::default();
     let sets: Vec<HashSet<u64>> = vec![HashSet::new(); RANKS as usize];
     let t = median(
-        || ledger.new_blocks(black_box(&ranks), black_box(&prompt), &mut out),
+        || ledger.new_blocks(black_box(&ranks), black_box(&prompt), form, &mut out),
         iters,
     );
     assert!(out.iter().all(|&n| n == PROMPT));
@@ -82,6 +104,7 @@ fn main() {
                 selection_id: &format!("u{i}"),
                 wr,
                 identities: &ids,
+                form,
                 prefill_tokens: 0,
                 now: Instant::now(),
             })
@@ -89,7 +112,7 @@ fn main() {
         sets.push(ids.into_iter().collect());
     }
     let t = median(
-        || ledger.new_blocks(black_box(&ranks), black_box(&prompt), &mut out),
+        || ledger.new_blocks(black_box(&ranks), black_box(&prompt), form, &mut out),
         iters,
     );
     assert!(out.iter().all(|&n| n == PROMPT));
@@ -103,6 +126,7 @@ fn main() {
                 selection_id: &format!("p{i}"),
                 wr,
                 identities: &prompt[..PREFIX as usize],
+                form,
                 prefill_tokens: 0,
                 now: Instant::now(),
             })
@@ -110,7 +134,7 @@ fn main() {
         sets[i].extend(&prompt[..PREFIX as usize]);
     }
     let t = median(
-        || ledger.new_blocks(black_box(&ranks), black_box(&prompt), &mut out),
+        || ledger.new_blocks(black_box(&ranks), black_box(&prompt), form, &mut out),
         iters,
     );
     assert!(out.iter().all(|&n| n == PROMPT - PREFIX));
@@ -137,6 +161,7 @@ fn main() {
                 selection_id: "big",
                 wr: ranks[0],
                 identities: &prompt,
+                form,
                 prefill_tokens: 100,
                 now: Instant::now(),
             })
@@ -177,6 +202,7 @@ fn main() {
             selection_id: &format!("live{i}"),
             wr,
             identities: &ids,
+            form,
             prefill_tokens: 0,
             now: Instant::now(),
         })
@@ -205,7 +231,7 @@ fn main() {
             .collect();
         pollute(turn);
         let s = Instant::now();
-        busy.new_blocks(ranks64, &ids, &mut out);
+        busy.new_blocks(ranks64, &ids, form, &mut out);
         nb_t.push(s.elapsed());
         pollute(turn);
         let s = Instant::now();
@@ -213,6 +239,7 @@ fn main() {
             selection_id: "turn",
             wr: ranks64[(turn % 64) as usize],
             identities: &ids,
+            form,
             prefill_tokens: 0,
             now: Instant::now(),
         })
@@ -223,12 +250,18 @@ fn main() {
         busy.free("turn").unwrap();
         free_t.push(s.elapsed());
     }
-    for (name, mut v) in [
+    let mut medians = [Duration::ZERO; 3];
+    for (k, (name, mut v)) in [
         ("turn: new_blocks 64 x 6250, 400k live identities", nb_t),
         ("turn: book 6250 identities, 400k live", book_t),
         ("turn: free 6250 identities, 400k live", free_t),
-    ] {
+    ]
+    .into_iter()
+    .enumerate()
+    {
         v.sort();
-        report(name, v[v.len() / 2], None);
+        medians[k] = v[v.len() / 2];
+        report(name, medians[k], None);
     }
+    medians
 }

@@ -18,7 +18,8 @@ use crate::parse::{
 };
 use crate::pool::{Pool, Pooled};
 use crate::reserve::{
-    Booking, ClaimError, Ledger, PendingCache, PendingKey, PendingSelection, RankLoad, ReserveError,
+    Booking, ClaimError, IdentityForm, Ledger, PendingCache, PendingKey, PendingSelection,
+    RankLoad, ReserveError,
 };
 use crate::select::{self, CandidateLoad, CostContext};
 use rand::Rng;
@@ -103,6 +104,8 @@ struct Normalized {
     seq_keys: Pooled<u64>,
     /// Booking identities (public chain, keyed chain, random, or as given).
     identities: Pooled<u64>,
+    /// `Arbitrary` only for identities as given.
+    form: IdentityForm,
 }
 
 fn no_schedulable(snap: &Snapshot, model: &str, group: &str) -> AppError {
@@ -268,6 +271,7 @@ impl App {
                 isl_tokens: tokens.len() as u64,
                 seq_keys,
                 identities,
+                form: IdentityForm::Chained,
             });
         }
         let required =
@@ -298,15 +302,18 @@ impl App {
         if let Some(blocks) = p.block_hashes.as_deref() {
             hash::sequence_hashes(blocks, PUBLIC_SEED, &mut seq_keys);
         }
-        if cfg.assume_kv_reuse {
+        let form = if cfg.assume_kv_reuse {
             identities.extend_from_slice(seqs);
+            IdentityForm::Arbitrary
         } else {
             random_identities(seqs.len(), &mut identities);
-        }
+            IdentityForm::Chained
+        };
         Ok(Normalized {
             isl_tokens: isl,
             seq_keys,
             identities,
+            form,
         })
     }
 
@@ -373,6 +380,7 @@ impl App {
                         PendingSelection {
                             wr: choice.wr,
                             identities: identities.to_vec(),
+                            identity_form: prompt.form,
                             isl_tokens: prompt.isl_tokens,
                             effective_prefill_tokens: choice.effective_prefill_tokens,
                             expected_output_tokens: req.expected_output_tokens,
@@ -390,6 +398,7 @@ impl App {
                         selection_id: id,
                         wr: choice.wr,
                         identities: &identities,
+                        form: prompt.form,
                         prefill_tokens: if track {
                             choice.effective_prefill_tokens
                         } else {
@@ -510,7 +519,7 @@ impl App {
         self.ledger.loads(&wrs, &mut loads);
         let mut new_blocks = Vec::with_capacity(wrs.len());
         self.ledger
-            .new_blocks(&wrs, &prompt.identities, &mut new_blocks);
+            .new_blocks(&wrs, &prompt.identities, prompt.form, &mut new_blocks);
         let cands: Vec<CandidateLoad> = wrs
             .iter()
             .zip(loads.iter().zip(&new_blocks))
@@ -609,6 +618,7 @@ impl App {
                         selection_id: id,
                         wr: sel.wr,
                         identities: &sel.identities,
+                        form: sel.identity_form,
                         prefill_tokens: prefill,
                         now: Instant::now(),
                     })
@@ -674,6 +684,7 @@ impl App {
                 selection_id: id,
                 wr,
                 identities: &prompt.identities,
+                form: prompt.form,
                 prefill_tokens: prefill,
                 now: Instant::now(),
             })
@@ -754,7 +765,7 @@ impl App {
         self.ledger.loads(&wrs, &mut loads);
         let mut new_blocks = Vec::with_capacity(wrs.len());
         self.ledger
-            .new_blocks(&wrs, &prompt.identities, &mut new_blocks);
+            .new_blocks(&wrs, &prompt.identities, prompt.form, &mut new_blocks);
         let ctx = CostContext {
             isl_tokens: prompt.isl_tokens,
             block_size: view.partition.block_size,

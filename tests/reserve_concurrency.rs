@@ -1,13 +1,17 @@
 //! Exactness of the ledger under concurrency: many threads book, complete
 //! prefill, add (decayed) output blocks and free on a few shared ranks with
-//! overlapping prompts, while readers poll loads and new_blocks. Afterwards
-//! every counter must be zero and every internal map empty.
+//! overlapping prompts, while readers poll loads and new_blocks. Half the
+//! writers book chained identities and half arbitrary ones, so ranks leave
+//! the chained fast path (and come back to it when they drain) while others
+//! read. Afterwards every counter must be zero and every internal map empty.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use kvselect::index::WorkerRank;
-use kvselect::reserve::{Booking, Ledger, LedgerStats, PendingCache, RankLoad, ReserveError};
+use kvselect::reserve::{
+    Booking, IdentityForm, Ledger, LedgerStats, PendingCache, RankLoad, ReserveError,
+};
 
 const THREADS: u64 = 4;
 const CYCLES: u64 = 2_000;
@@ -19,7 +23,8 @@ fn rank(i: u64) -> WorkerRank {
     }
 }
 
-/// A prompt sharing a prefix with every other prompt, plus a per-request tail.
+/// A prompt sharing a prefix with every other prompt, plus a per-request tail
+/// (so it has the chain property: two prompts share a prefix, then nothing).
 fn prompt(t: u64, i: u64) -> Vec<u64> {
     let mut p: Vec<u64> = (0..(i % 16)).collect();
     p.extend((0..(i % 7)).map(|k| (t << 40) | (i << 8) | k));
@@ -40,13 +45,14 @@ fn concurrent_lifecycles_return_every_counter_to_zero() {
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
         // Readers: the selection path running alongside.
-        for _ in 0..2 {
-            s.spawn(|| {
+        for form in [IdentityForm::Chained, IdentityForm::Arbitrary] {
+            let (ledger, ranks, stop) = (&ledger, &ranks, &stop);
+            s.spawn(move || {
                 let (mut loads, mut nb) = (Vec::new(), Vec::new());
                 let query: Vec<u64> = (0..16).collect();
                 while !stop.load(Ordering::Relaxed) {
-                    ledger.loads(&ranks, &mut loads);
-                    ledger.new_blocks(&ranks, &query, &mut nb);
+                    ledger.loads(ranks, &mut loads);
+                    ledger.new_blocks(ranks, &query, form, &mut nb);
                     for (l, &n) in loads.iter().zip(&nb) {
                         // A wrapped (transiently negative) counter would show
                         // as a huge value.
@@ -66,11 +72,17 @@ fn concurrent_lifecycles_return_every_counter_to_zero() {
                         let id = format!("t{t}-{i}");
                         let ids = prompt(t, i);
                         let wr = rank((t + i) % 4);
+                        let form = if t % 2 == 0 {
+                            IdentityForm::Chained
+                        } else {
+                            IdentityForm::Arbitrary
+                        };
                         ledger
                             .book(Booking {
                                 selection_id: &id,
                                 wr,
                                 identities: &ids,
+                                form,
                                 prefill_tokens: i % 100,
                                 now: Instant::now(),
                             })
@@ -116,6 +128,7 @@ fn concurrent_bookings_of_one_id_succeed_once() {
                         selection_id: &id,
                         wr: rank(t),
                         identities: &[1, 2, 3, i as u64 + 100],
+                        form: IdentityForm::Chained,
                         prefill_tokens: 16,
                         now: Instant::now(),
                     });

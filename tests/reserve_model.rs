@@ -1,11 +1,18 @@
 //! Property test: random sequences of ledger operations against a plain
 //! single-threaded model that recomputes every rank's load from scratch.
+//!
+//! Bookings come in three kinds: arbitrary small integers, chained lists
+//! (paths in a small trie, hashed like sequence hashes, so they take the
+//! ledger's per-rank prefix path), and chain values booked as `Arbitrary`
+//! (reversed), which take ranks out of the prefix path. Chained queries are
+//! checked after every operation; an arbitrary query (which also takes busy
+//! ranks out of the prefix path) is an operation of its own.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use kvselect::index::WorkerRank;
-use kvselect::reserve::{Booking, Ledger, LedgerStats, RankLoad, ReserveError};
+use kvselect::reserve::{Booking, IdentityForm, Ledger, LedgerStats, RankLoad, ReserveError};
 use proptest::prelude::*;
 
 const EXPIRY_SECS: u64 = 10;
@@ -32,8 +39,11 @@ enum Op {
         id: u8,
         rank: u8,
         ids: Vec<u64>,
+        form: IdentityForm,
         prefill: u64,
     },
+    /// An arbitrary new_blocks query over all ranks.
+    Query,
     PrefillComplete {
         id: u8,
     },
@@ -55,13 +65,47 @@ enum Op {
     },
 }
 
+/// A chained identity list: the path `steps` in a trie, each identity a hash
+/// of the one before and the step (like sequence hashes).
+fn chain(steps: &[u64]) -> Vec<u64> {
+    let mut h = 0x5eed_u64;
+    steps
+        .iter()
+        .map(|&c| {
+            let mut z = h ^ c.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            h = z ^ (z >> 31);
+            h
+        })
+        .collect()
+}
+
+/// `len` steps: zeros up to `split`, then `tag` (long lists that share a
+/// prefix and then part).
+fn long_path(split: usize, len: usize, tag: u64) -> Vec<u64> {
+    (0..len).map(|i| if i < split { 0 } else { tag }).collect()
+}
+
 fn op() -> impl Strategy<Value = Op> {
+    use IdentityForm::{Arbitrary, Chained};
     prop_oneof![
-        4 => (0..8u8, 0..4u8, prop::collection::vec(0..12u64, 0..7), prop_oneof![Just(0u64), 1..100u64])
-            .prop_map(|(id, rank, ids, prefill)| Op::Book { id, rank, ids, prefill }),
+        3 => (0..8u8, 0..4u8, prop::collection::vec(0..12u64, 0..7), prop_oneof![Just(0u64), 1..100u64])
+            .prop_map(|(id, rank, ids, prefill)| Op::Book { id, rank, ids, form: Arbitrary, prefill }),
         // Large prompts take the grouped-by-shard paths of book/free/new_blocks.
         1 => (0..8u8, 0..4u8, 0..150u64, 64..120u64)
-            .prop_map(|(id, rank, start, len)| Op::Book { id, rank, ids: (start..start + len).collect(), prefill: len }),
+            .prop_map(|(id, rank, start, len)| Op::Book { id, rank, ids: (start..start + len).collect(), form: Arbitrary, prefill: len }),
+        3 => (0..8u8, 0..4u8, prop::collection::vec(0..3u64, 0..7), prop_oneof![Just(0u64), 1..100u64])
+            .prop_map(|(id, rank, steps, prefill)| Op::Book { id, rank, ids: chain(&steps), form: Chained, prefill }),
+        2 => (0..8u8, 0..4u8, 0..130usize, 64..120usize, 1..3u64)
+            .prop_map(|(id, rank, split, len, tag)| Op::Book { id, rank, ids: chain(&long_path(split, len, tag)), form: Chained, prefill: 0 }),
+        1 => (0..8u8, 0..4u8, prop::collection::vec(0..3u64, 0..7))
+            .prop_map(|(id, rank, steps)| {
+                let mut ids = chain(&steps);
+                ids.reverse();
+                Op::Book { id, rank, ids, form: Arbitrary, prefill: 1 }
+            }),
+        1 => Just(Op::Query),
         2 => (0..8u8).prop_map(|id| Op::PrefillComplete { id }),
         3 => (0..8u8, 0..DECAYS.len()).prop_map(|(id, decay)| Op::Output { id, decay }),
         2 => (0..8u8).prop_map(|id| Op::Free { id }),
@@ -146,6 +190,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 id,
                 rank: r,
                 ids,
+                form,
                 prefill,
             } => {
                 let id = format!("s{id}");
@@ -153,6 +198,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     selection_id: &id,
                     wr: rank(r),
                     identities: &ids,
+                    form,
                     prefill_tokens: prefill,
                     now: t0 + Duration::from_secs(clock),
                 });
@@ -170,6 +216,17 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                             at: clock,
                         });
                     }
+                }
+            }
+            Op::Query => {
+                // Arbitrary: small integers and chain values, out of order.
+                let mut query: Vec<u64> = (0..280).collect();
+                query.extend(chain(&long_path(60, 130, 1)).iter().rev());
+                query.extend(chain(&[1, 2, 0, 2]));
+                let mut nb = Vec::new();
+                ledger.new_blocks(&ranks, &query, IdentityForm::Arbitrary, &mut nb);
+                for (i, &wr) in ranks.iter().enumerate() {
+                    prop_assert_eq!(nb[i], model.new_blocks(wr, &query), "rank {:?}", wr);
                 }
             }
             Op::PrefillComplete { id } => {
@@ -258,11 +315,25 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         for (i, &wr) in ranks.iter().enumerate() {
             prop_assert_eq!(loads[i], model.load(wr), "rank {:?}", wr);
         }
-        let query: Vec<u64> = (0..280).collect();
-        let mut nb = Vec::new();
-        ledger.new_blocks(&ranks, &query, &mut nb);
-        for (i, &wr) in ranks.iter().enumerate() {
-            prop_assert_eq!(nb[i], model.new_blocks(wr, &query), "rank {:?}", wr);
+        // Chained queries (they leave the ranks' modes as they are).
+        for steps in [
+            long_path(130, 130, 0),
+            long_path(40, 125, 2),
+            vec![1; 10],
+            vec![0, 1, 2, 0, 1, 2, 0, 1],
+        ] {
+            let query = chain(&steps);
+            let mut nb = Vec::new();
+            ledger.new_blocks(&ranks, &query, IdentityForm::Chained, &mut nb);
+            for (i, &wr) in ranks.iter().enumerate() {
+                prop_assert_eq!(
+                    nb[i],
+                    model.new_blocks(wr, &query),
+                    "rank {:?} {:?}",
+                    wr,
+                    steps
+                );
+            }
         }
         for (id, m) in &model.bookings {
             let info = ledger.lookup(id);

@@ -27,10 +27,26 @@
 //!   O(identities + hits) instead of O(ranks x identities). Large prompts
 //!   are grouped by identity shard first, so each shard is locked once per
 //!   call, not once per identity.
+//! * per rank, its `Chains`: the fast path for [`IdentityForm::Chained`]
+//!   identities (sequence hashes kvselect computed, each one a hash of all
+//!   before it). Two such lists are equal up to their longest common prefix
+//!   and nowhere after it, so the distinct identities of a rank's chained
+//!   bookings form a trie, and a list's blocks not yet active there are those
+//!   past its longest common prefix with any booking there. That prefix is a
+//!   binary search (equality is monotone along two chains), so booking,
+//!   freeing and `new_blocks` cost O(bookings on the rank x log identities)
+//!   instead of one identity-table operation per identity, each a cache miss.
+//!   A rank leaves this mode for the life of its entry ("tabled": its
+//!   bookings' identities go into `idents`) when a booking with
+//!   [`IdentityForm::Arbitrary`] identities lands on it, when a
+//!   `decay_fraction` re-weights one of its bookings (weights are per
+//!   identity), or when an arbitrary query asks about it. Output blocks
+//!   always go to `idents` (random, so never shared).
 //!
-//! Lock order: booking shard -> rank shard -> slot allocator, and booking
-//! shard -> identity shard. [`Ledger::new_blocks`] and [`Ledger::loads`] take
-//! rank and identity shards one at a time. No lock is held while calling code
+//! Lock order: booking shard -> rank shard -> slot allocator, booking shard
+//! -> a rank's chains -> identity shard, and rank shard -> a rank's chains
+//! (`stats`). [`Ledger::new_blocks`] and [`Ledger::loads`] take rank shards
+//! one at a time, and a rank's chains before identity shards. No lock is held while calling code
 //! outside this module, and no guard is returned.
 //!
 //! Exactness: every counter is a sum of per-booking (or per-(identity, rank))
@@ -67,6 +83,18 @@ const IDENT_SHARDS: usize = 256;
 const WEIGHT_ONE: u32 = 1 << 24;
 const NO_QUERY: u32 = u32::MAX;
 
+/// What a list of identities is, which decides whether the ledger may take
+/// its prefix fast path (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdentityForm {
+    /// Each identity is a hash of all the identities before it (sequence
+    /// hashes kvselect computed from tokens), or a random one: two such lists
+    /// share a common prefix and no identity after it.
+    Chained,
+    /// Anything else, e.g. `sequence_hashes` as a client sent them.
+    Arbitrary,
+}
+
 /// What to book: one id on one rank.
 #[derive(Debug, Clone, Copy)]
 pub struct Booking<'a> {
@@ -74,6 +102,7 @@ pub struct Booking<'a> {
     pub wr: WorkerRank,
     /// Identities (sequence hashes or random ones) of the prompt's full blocks.
     pub identities: &'a [u64],
+    pub form: IdentityForm,
     /// Prefill tokens to book; 0 = none booked.
     pub prefill_tokens: u64,
     pub now: Instant,
@@ -109,8 +138,11 @@ pub struct RankLoad {
 pub struct LedgerStats {
     pub bookings: usize,
     pub ranks: usize,
-    /// Distinct identities active on at least one rank.
+    /// Identities in the identity table: those of tabled ranks' bookings
+    /// and output blocks (distinct, counted once for all ranks).
     pub identities: usize,
+    /// Distinct identities of chained bookings, summed over ranks.
+    pub chained_identities: usize,
     pub slots_in_use: usize,
 }
 
@@ -138,10 +170,11 @@ struct IdentShard {
 struct Entry {
     wr: WorkerRank,
     cell: Arc<RankCell>,
-    /// Prompt identities followed by output identities; the order matters for
-    /// the "exclusive suffix" walk of `decay_fraction`.
-    blocks: Vec<u64>,
-    prompt_len: usize,
+    /// The booked identities (shared with the rank's `Chains` while the rank
+    /// is not tabled), then the output identities: in this order for the
+    /// "exclusive suffix" walk of `decay_fraction`.
+    prompt: Arc<[u64]>,
+    outputs: Vec<u64>,
     prefill: u64,
     booked_prefill: u64,
     booked_at: Instant,
@@ -151,8 +184,8 @@ impl Entry {
     fn info(&self) -> BookingInfo {
         BookingInfo {
             wr: self.wr,
-            identities: self.prompt_len,
-            output_blocks: self.blocks.len() - self.prompt_len,
+            identities: self.prompt.len(),
+            output_blocks: self.outputs.len(),
             prefill_tokens: self.prefill,
             booked_prefill_tokens: self.booked_prefill,
             booked_at: self.booked_at,
@@ -169,6 +202,76 @@ struct RankCell {
     prefill: AtomicU64,
     /// Sum of the weights of the distinct identities held, in WEIGHT_ONE units.
     weighted: AtomicU64,
+    chains: Mutex<Chains>,
+}
+
+/// A rank's chained bookings (module docs). While `tabled` is false every
+/// booking on the rank is in `lists`, and `idents` holds none of their
+/// booked identities (only output blocks); once true, `lists` is empty for
+/// good and `idents` holds them all.
+#[derive(Default)]
+struct Chains {
+    tabled: bool,
+    lists: Vec<Arc<[u64]>>,
+    /// Distinct identities over `lists` (each counted with weight 1.0 in the
+    /// rank's `weighted`).
+    distinct: u64,
+}
+
+/// The larger of `at_least` and the length of the common prefix of two
+/// chained lists. Equality is monotone along two chains (equal at `i` implies
+/// equal before `i`), so a binary search finds where the prefix ends, and a
+/// list that differs at index `at_least` cannot beat it (one compare).
+#[inline]
+fn chain_lcp(a: &[u64], b: &[u64], at_least: usize) -> usize {
+    let n = a.len().min(b.len());
+    if at_least >= n || a[at_least] != b[at_least] {
+        return at_least;
+    }
+    let (mut lo, mut hi) = (at_least + 1, n);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if a[mid] == b[mid] {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+impl Chains {
+    /// Longest common prefix of `ids` with any list.
+    fn max_lcp(&self, ids: &[u64]) -> usize {
+        let mut best = 0;
+        for l in &self.lists {
+            best = chain_lcp(ids, l, best);
+            if best == ids.len() {
+                break;
+            }
+        }
+        best
+    }
+
+    fn add(&mut self, ids: &Arc<[u64]>, cell: &RankCell) {
+        let fresh = (ids.len() - self.max_lcp(ids)) as u64;
+        self.lists.push(Arc::clone(ids));
+        self.distinct += fresh;
+        cell.weighted
+            .fetch_add(fresh * u64::from(WEIGHT_ONE), Ordering::Relaxed);
+    }
+
+    fn remove(&mut self, ids: &Arc<[u64]>, cell: &RankCell) {
+        let Some(i) = self.lists.iter().position(|l| Arc::ptr_eq(l, ids)) else {
+            debug_assert!(false, "chained booking not on its rank");
+            return;
+        };
+        self.lists.swap_remove(i);
+        let gone = (ids.len() - self.max_lcp(ids)) as u64;
+        self.distinct -= gone;
+        cell.weighted
+            .fetch_sub(gone * u64::from(WEIGHT_ONE), Ordering::Relaxed);
+    }
 }
 
 impl RankCell {
@@ -466,7 +569,7 @@ impl Ledger {
 
     /// Atomically claims `b.selection_id` and applies its load.
     pub fn book(&self, b: Booking<'_>) -> Result<(), ReserveError> {
-        let blocks = b.identities.to_vec();
+        let prompt: Arc<[u64]> = Arc::from(b.identities);
         let shard = self.booking_shard(b.selection_id);
         let mut g = shard.lock();
         if g.contains_key(b.selection_id) {
@@ -474,14 +577,22 @@ impl Ledger {
         }
         let cell = self.acquire_rank(b.wr);
         cell.prefill.fetch_add(b.prefill_tokens, Ordering::Relaxed);
-        self.by_ident_shard(b.identities, |map, x, m| hold(map, x, m, &cell));
+        let mut chains = cell.chains.lock();
+        if b.form == IdentityForm::Chained && !chains.tabled {
+            chains.add(&prompt, &cell);
+            drop(chains);
+        } else {
+            self.table_rank(&mut chains, &cell);
+            drop(chains);
+            self.by_ident_shard(b.identities, |map, x, m| hold(map, x, m, &cell));
+        }
         g.insert(
             b.selection_id.into(),
             Entry {
                 wr: b.wr,
                 cell,
-                blocks,
-                prompt_len: b.identities.len(),
+                prompt,
+                outputs: Vec::new(),
                 prefill: b.prefill_tokens,
                 booked_prefill: b.prefill_tokens,
                 booked_at: b.now,
@@ -520,9 +631,11 @@ impl Ledger {
         let e = g.get_mut(id).ok_or(ReserveError::NotFound)?;
         let (shard, m) = self.ident_shard(x);
         hold(&mut shard.table.lock(), x, m, &e.cell);
-        e.blocks.push(x);
+        e.outputs.push(x);
         if let Some(w) = decay_fraction.and_then(weight_fp) {
-            for &b in e.blocks.iter().rev() {
+            // Weights are per identity: the rank's bookings go to the table.
+            self.table_rank(&mut e.cell.chains.lock(), &e.cell);
+            for &b in e.outputs.iter().rev().chain(e.prompt.iter().rev()) {
                 if !self.reweight_if_exclusive(b, &e.cell, w) {
                     break;
                 }
@@ -565,7 +678,13 @@ impl Ledger {
     ///
     /// Like every read here it is not a snapshot: bookings that change during
     /// the call may or may not be counted (the same as one read earlier or later).
-    pub fn new_blocks(&self, ranks: &[WorkerRank], identities: &[u64], out: &mut Vec<u64>) {
+    pub fn new_blocks(
+        &self,
+        ranks: &[WorkerRank],
+        identities: &[u64],
+        form: IdentityForm,
+        out: &mut Vec<u64>,
+    ) {
         out.clear();
         out.resize(ranks.len(), identities.len() as u64);
         if ranks.is_empty() || identities.is_empty() {
@@ -574,7 +693,23 @@ impl Ledger {
         SLOT_HITS.with(|t| {
             let (hits, qslots, run) = &mut *t.borrow_mut();
             qslots.clear();
-            qslots.extend(ranks.iter().map(|&wr| self.slot_of(wr).unwrap_or(NO_QUERY)));
+            // A rank in chained mode answers a chained query from its lists;
+            // the table answers for the others (an arbitrary query first
+            // moves a chained rank's bookings into the table).
+            for (o, &wr) in out.iter_mut().zip(ranks) {
+                let Some(cell) = self.cell_of(wr) else {
+                    qslots.push(NO_QUERY);
+                    continue;
+                };
+                let mut chains = cell.chains.lock();
+                if !chains.tabled && form == IdentityForm::Chained {
+                    *o -= chains.max_lcp(identities) as u64;
+                    qslots.push(NO_QUERY);
+                } else {
+                    self.table_rank(&mut chains, &cell);
+                    qslots.push(cell.slot);
+                }
+            }
             // Idle candidates hold nothing: skip the identity lookups.
             let Some(&max) = qslots.iter().filter(|&&s| s != NO_QUERY).max() else {
                 return;
@@ -637,6 +772,16 @@ impl Ledger {
             bookings: self.bookings.iter().map(|s| s.lock().len()).sum(),
             ranks: self.ranks.iter().map(|s| s.read().len()).sum(),
             identities: self.idents.iter().map(|s| s.table.lock().len()).sum(),
+            chained_identities: self
+                .ranks
+                .iter()
+                .map(|s| {
+                    s.read()
+                        .values()
+                        .map(|c| c.chains.lock().distinct as usize)
+                        .sum::<usize>()
+                })
+                .sum(),
             slots_in_use,
         }
     }
@@ -657,8 +802,24 @@ impl Ledger {
         n
     }
 
-    fn slot_of(&self, wr: WorkerRank) -> Option<u32> {
-        self.rank_shard(wr).read().get(&wr).map(|c| c.slot)
+    fn cell_of(&self, wr: WorkerRank) -> Option<Arc<RankCell>> {
+        self.rank_shard(wr).read().get(&wr).cloned()
+    }
+
+    /// Takes `cell`'s rank out of chained mode: its chained bookings'
+    /// identities go into the identity table (`chains` is the cell's, locked).
+    fn table_rank(&self, chains: &mut Chains, cell: &RankCell) {
+        if chains.tabled {
+            return;
+        }
+        chains.tabled = true;
+        for ids in chains.lists.drain(..) {
+            self.by_ident_shard(&ids, |map, x, m| hold(map, x, m, cell));
+        }
+        // The holds counted each distinct identity again.
+        cell.weighted
+            .fetch_sub(chains.distinct * u64::from(WEIGHT_ONE), Ordering::Relaxed);
+        chains.distinct = 0;
     }
 
     /// Gets (or creates) the rank's cell and counts one more request on it.
@@ -675,6 +836,7 @@ impl Ledger {
                 requests: AtomicU64::new(0),
                 prefill: AtomicU64::new(0),
                 weighted: AtomicU64::new(0),
+                chains: Mutex::new(Chains::default()),
             })
         });
         c.requests.fetch_add(1, Ordering::Relaxed);
@@ -778,7 +940,15 @@ impl Ledger {
 
     /// Removes all effects of a booking (called with its booking shard locked).
     fn unload(&self, e: &Entry) {
-        self.by_ident_shard(&e.blocks, |map, x, m| unhold(map, x, m, &e.cell));
+        let mut chains = e.cell.chains.lock();
+        if chains.tabled {
+            drop(chains);
+            self.by_ident_shard(&e.prompt, |map, x, m| unhold(map, x, m, &e.cell));
+        } else {
+            chains.remove(&e.prompt, &e.cell);
+            drop(chains);
+        }
+        self.by_ident_shard(&e.outputs, |map, x, m| unhold(map, x, m, &e.cell));
         if e.prefill > 0 {
             e.cell.prefill.fetch_sub(e.prefill, Ordering::Relaxed);
         }
@@ -829,6 +999,7 @@ mod tests {
             selection_id: id,
             wr,
             identities: ids,
+            form: IdentityForm::Arbitrary,
             prefill_tokens: prefill,
             now: Instant::now(),
         })
@@ -836,7 +1007,7 @@ mod tests {
 
     fn new_blocks(l: &Ledger, ranks: &[WorkerRank], ids: &[u64]) -> Vec<u64> {
         let mut out = vec![99; 3];
-        l.new_blocks(ranks, ids, &mut out);
+        l.new_blocks(ranks, ids, IdentityForm::Arbitrary, &mut out);
         out
     }
 
@@ -1066,7 +1237,7 @@ mod tests {
             dp_rank: 0,
         });
         let mut out = Vec::new();
-        l.new_blocks(&query_ranks, &query, &mut out);
+        l.new_blocks(&query_ranks, &query, IdentityForm::Arbitrary, &mut out);
         let mut want: Vec<u64> = (0..20u64)
             .map(|r| query.iter().filter(|&&x| !(x < 40 && holds(x, r))).count() as u64)
             .collect();
@@ -1074,7 +1245,7 @@ mod tests {
         assert_eq!(out, want);
         // The same with the identities in reverse order (runs cross shards).
         let rev: Vec<u64> = query.iter().rev().copied().collect();
-        l.new_blocks(&query_ranks, &rev, &mut out);
+        l.new_blocks(&query_ranks, &rev, IdentityForm::Arbitrary, &mut out);
         assert_eq!(out, want);
     }
 
@@ -1108,6 +1279,7 @@ mod tests {
             selection_id: id,
             wr: R200,
             identities: &PROMPT,
+            form: IdentityForm::Chained,
             prefill_tokens: 8,
             now,
         };
@@ -1119,6 +1291,95 @@ mod tests {
         assert_eq!(l.rank_load(R200), load(8, 4, 1));
         assert_eq!(l.sweep_expired(t0 + Duration::from_secs(500)), 1);
         assert_eq!(l.stats(), LedgerStats::default());
+    }
+
+    fn book_chained(l: &Ledger, id: &str, wr: WorkerRank, ids: &[u64]) {
+        l.book(Booking {
+            selection_id: id,
+            wr,
+            identities: ids,
+            form: IdentityForm::Chained,
+            prefill_tokens: 0,
+            now: Instant::now(),
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn chain_lcp_binary_search() {
+        let a = [1, 2, 3, 4, 5, 6, 7];
+        assert_eq!(chain_lcp(&a, &[1, 2, 3, 9, 9], 0), 3);
+        assert_eq!(chain_lcp(&a, &a, 0), 7);
+        assert_eq!(chain_lcp(&a, &a[..4], 0), 4);
+        assert_eq!(chain_lcp(&a, &[9, 9], 0), 0);
+        assert_eq!(chain_lcp(&a, &[], 0), 0);
+        // A list that cannot beat the best so far is skipped with one compare.
+        assert_eq!(chain_lcp(&a, &[1, 2, 9], 5), 5);
+        assert_eq!(chain_lcp(&a, &[1, 2], 5), 5);
+        assert_eq!(chain_lcp(&a, &[1, 2, 3, 4, 5, 6, 0], 2), 6);
+    }
+
+    #[test]
+    fn chained_bookings_count_their_common_prefix_once() {
+        let l = Ledger::default();
+        // Two chained prompts sharing their first two identities.
+        book_chained(&l, "a", R200, &[10, 11, 12, 13]);
+        book_chained(&l, "b", R200, &[10, 11, 22]);
+        assert_eq!(l.rank_load(R200), load(0, 5, 2));
+        let s = l.stats();
+        assert_eq!((s.identities, s.chained_identities), (0, 5));
+        let chained = |ids: &[u64]| {
+            let mut out = Vec::new();
+            l.new_blocks(&[R200, R201], ids, IdentityForm::Chained, &mut out);
+            out
+        };
+        assert_eq!(chained(&[10, 11, 12, 30]), vec![1, 4]);
+        assert_eq!(chained(&[10, 11, 22, 40, 41]), vec![2, 5]);
+        // Output blocks are in the table even on a chained rank.
+        l.output_block("b", None).unwrap();
+        assert_eq!(l.rank_load(R200), load(0, 6, 2));
+        assert_eq!(l.stats().identities, 1);
+        l.free("a").unwrap();
+        assert_eq!(l.rank_load(R200), load(0, 4, 1));
+        assert_eq!(chained(&[10, 11, 12, 30]), vec![2, 4]);
+        l.free("b").unwrap();
+        assert_eq!(l.stats(), LedgerStats::default());
+    }
+
+    #[test]
+    fn arbitrary_identities_move_a_rank_into_the_table() {
+        let l = Ledger::default();
+        book_chained(&l, "a", R200, &[10, 11, 12, 13]);
+        book_chained(&l, "b", R201, &[10, 11, 12]);
+        // An arbitrary booking on R200 matches the chain out of order.
+        book(&l, "c", R200, &[13, 10, 50], 0).unwrap();
+        assert_eq!(l.rank_load(R200), load(0, 5, 2));
+        let s = l.stats();
+        assert_eq!((s.identities, s.chained_identities), (5, 3));
+        // An arbitrary query tables every busy rank it asks about ...
+        assert_eq!(new_blocks(&l, &[R200, R201], &[12, 11, 50]), vec![0, 1]);
+        let s = l.stats();
+        assert_eq!((s.identities, s.chained_identities), (5, 0));
+        // ... and a chained query then reads the table: same answers.
+        let mut out = Vec::new();
+        l.new_blocks(
+            &[R200, R201],
+            &[10, 11, 12, 13],
+            IdentityForm::Chained,
+            &mut out,
+        );
+        assert_eq!(out, vec![0, 1]);
+        // A decay re-weights per identity, so it tables the rank too.
+        book_chained(&l, "d", R202, &[10, 11]);
+        l.output_block("d", Some(0.5)).unwrap();
+        assert_eq!(l.rank_load(R202).decode_blocks, 2); // 0.5 * 3 = 1.5, rounded
+        for id in ["a", "b", "c", "d"] {
+            l.free(id).unwrap();
+        }
+        assert_eq!(l.stats(), LedgerStats::default());
+        // A drained rank starts over in chained mode.
+        book_chained(&l, "e", R200, &[10]);
+        assert_eq!(l.stats().chained_identities, 1);
     }
 
     #[test]
@@ -1134,12 +1395,12 @@ mod tests {
             book(&l, &format!("b{i}"), wr, &[42, i as u64 + 100], 0).unwrap();
         }
         let mut out = Vec::new();
-        l.new_blocks(&ranks, &[42], &mut out);
+        l.new_blocks(&ranks, &[42], IdentityForm::Arbitrary, &mut out);
         assert_eq!(out, vec![0; 10]);
         for i in (0..10).step_by(2) {
             l.free(&format!("b{i}")).unwrap();
         }
-        l.new_blocks(&ranks, &[42, 105], &mut out);
+        l.new_blocks(&ranks, &[42, 105], IdentityForm::Arbitrary, &mut out);
         assert_eq!(out, vec![2, 1, 2, 1, 2, 0, 2, 1, 2, 1]);
         for i in (1..10).step_by(2) {
             l.free(&format!("b{i}")).unwrap();

@@ -26,7 +26,9 @@ pub mod ledger;
 pub mod pending;
 mod table;
 
-pub use ledger::{Booking, BookingInfo, Ledger, LedgerStats, RankLoad, DEFAULT_BOOKING_EXPIRY};
+pub use ledger::{
+    Booking, BookingInfo, IdentityForm, Ledger, LedgerStats, RankLoad, DEFAULT_BOOKING_EXPIRY,
+};
 pub use pending::{
     ClaimError, PendingCache, PendingKey, PendingSelection, DEFAULT_PENDING_MAX_BYTES,
     DEFAULT_PENDING_MAX_ENTRIES, DEFAULT_PENDING_TTL,

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::IdentityForm;
 use crate::index::WorkerRank;
 
 /// Default lifetime of an unclaimed pending selection (`--selection-cache-ttl-secs`).
@@ -49,6 +50,7 @@ pub struct PendingKey {
 pub struct PendingSelection {
     pub wr: WorkerRank,
     pub identities: Vec<u64>,
+    pub identity_form: IdentityForm,
     pub isl_tokens: u64,
     pub effective_prefill_tokens: u64,
     pub expected_output_tokens: Option<u32>,
@@ -314,6 +316,7 @@ mod tests {
                 dp_rank: 0,
             },
             identities: (0..n as u64).collect(),
+            identity_form: IdentityForm::Arbitrary,
             isl_tokens: 16 * n as u64,
             effective_prefill_tokens: 16,
             expected_output_tokens: Some(10),
