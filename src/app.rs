@@ -1079,6 +1079,12 @@ impl App {
         let _ = writeln!(out, "kvselect_bookings {}", ls.bookings);
         let _ = writeln!(out, "# TYPE kvselect_active_identities gauge");
         let _ = writeln!(out, "kvselect_active_identities {}", ls.identities);
+        let _ = writeln!(out, "# TYPE kvselect_active_chained_identities gauge");
+        let _ = writeln!(
+            out,
+            "kvselect_active_chained_identities {}",
+            ls.chained_identities
+        );
         let _ = writeln!(out, "# TYPE kvselect_pending_selections gauge");
         let _ = writeln!(out, "kvselect_pending_selections {}", self.pending.len());
         let _ = writeln!(out, "# TYPE kvselect_pending_selection_bytes gauge");

@@ -336,27 +336,15 @@ async fn malformed_messages_are_dropped_and_the_stream_flows() {
     );
 }
 
-/// The value of the unlabelled sample `name` in GET /metrics.
-async fn metric(s: &TestServer, name: &str) -> u64 {
-    let r = s.get("/metrics").await;
-    assert_eq!(r.status, 200);
-    let text = r.text();
-    let line = text
-        .lines()
-        .find(|l| l.split(' ').next() == Some(name))
-        .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{text}"));
-    line.rsplit(' ').next().unwrap().parse().unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_applied_and_refused_events() {
     let s = start().await;
     let mut p = kv_worker(&s, 200, "m").await;
     let name = |n: &'static str| format!("kvselect_ingest_{n}_total");
-    let stored0 = metric(&s, &name("blocks_stored")).await;
-    let removed0 = metric(&s, &name("blocks_removed")).await;
-    let orphan0 = metric(&s, &name("stores_dropped_unknown_parent")).await;
-    let malformed0 = metric(&s, &name("malformed_dropped")).await;
+    let stored0 = s.metric(&name("blocks_stored")).await;
+    let removed0 = s.metric(&name("blocks_removed")).await;
+    let orphan0 = s.metric(&name("stores_dropped_unknown_parent")).await;
+    let malformed0 = s.metric(&name("malformed_dropped")).await;
     p.send_events(
         &[
             stored(&[11, 12, 13], None, &tokens(1, 48), 16, "GPU"),
@@ -372,14 +360,14 @@ async fn metrics_count_applied_and_refused_events() {
     p.seq += 1;
     assert!(
         eventually(WAIT, || async {
-            metric(&s, &name("malformed_dropped")).await == malformed0 + 1
+            s.metric(&name("malformed_dropped")).await == malformed0 + 1
         })
         .await
     );
-    assert_eq!(metric(&s, &name("blocks_stored")).await, stored0 + 3);
-    assert_eq!(metric(&s, &name("blocks_removed")).await, removed0 + 1);
+    assert_eq!(s.metric(&name("blocks_stored")).await, stored0 + 3);
+    assert_eq!(s.metric(&name("blocks_removed")).await, removed0 + 1);
     assert_eq!(
-        metric(&s, &name("stores_dropped_unknown_parent")).await,
+        s.metric(&name("stores_dropped_unknown_parent")).await,
         orphan0 + 1
     );
     assert_eq!(device_blocks(&s, "m", &tokens(1, 48), 200).await.0, 2);

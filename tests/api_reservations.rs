@@ -384,6 +384,57 @@ async fn lifecycle_load_accounting_table() {
     assert_eq!(row(s.load_row("ov", 200, 0).await), (128, 4, 2));
 }
 
+/// Token prompts book chained identities (the ledger's per-rank prefix
+/// path); hashes a client sends are arbitrary and move the rank into the
+/// identity table. The load is the same either way.
+#[tokio::test]
+async fn chained_and_given_identities_count_the_same_load() {
+    let s = start().await;
+    s.worker(200, "ov", 16, &unused_endpoint()).await;
+    let decode = |v: serde_json::Value| v["potential_decode_blocks"].as_u64().unwrap();
+    let a = s
+        .post(
+            "/select_and_reserve",
+            &json!({"model_name": "ov", "token_ids": tokens(1, 64), "selection_id": "a"}),
+        )
+        .await
+        .json();
+    // Blocks 1-4 shared with "a", 5 and 6 new.
+    s.post(
+        "/select_and_reserve",
+        &json!({"model_name": "ov", "token_ids": tokens(1, 96), "selection_id": "b"}),
+    )
+    .await;
+    assert_eq!(decode(s.load_row("ov", 200, 0).await), 6);
+    assert_eq!(s.metric("kvselect_active_chained_identities").await, 6);
+    assert_eq!(s.metric("kvselect_active_identities").await, 0);
+    let pl = s
+        .post(
+            "/potential_loads",
+            &json!({"model_name": "ov", "token_ids": tokens(1, 80)}),
+        )
+        .await
+        .json();
+    assert_eq!(decode(pl[0].clone()), 6, "all 5 blocks are active already");
+    // "a"'s hashes sent back as given: the same identities, now arbitrary.
+    let r = s
+        .post(
+            "/reservations",
+            &json!({"selection_id": "c", "model_name": "ov", "worker_id": 200,
+                    "sequence_hashes": a["sequence_hashes"], "isl_tokens": 64}),
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(decode(s.load_row("ov", 200, 0).await), 6);
+    assert_eq!(s.metric("kvselect_active_chained_identities").await, 0);
+    assert_eq!(s.metric("kvselect_active_identities").await, 6);
+    for id in ["a", "b", "c"] {
+        assert_eq!(s.delete(&format!("/reservations/{id}")).await.status, 200);
+    }
+    assert_eq!(decode(s.load_row("ov", 200, 0).await), 0);
+    assert_eq!(s.metric("kvselect_active_identities").await, 0);
+}
+
 #[tokio::test]
 async fn pending_selections_expire() {
     let s = start_with(kvselect::config::Config {

@@ -158,6 +158,18 @@ impl TestServer {
         v
     }
 
+    /// The value of an unlabelled /metrics line.
+    pub async fn metric(&self, name: &str) -> u64 {
+        let r = self.get("/metrics").await;
+        assert_eq!(r.status, 200);
+        let text = r.text();
+        let line = text
+            .lines()
+            .find(|l| l.split(' ').next() == Some(name))
+            .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    }
+
     pub async fn load_row(&self, model: &str, worker_id: u64, dp_rank: u32) -> Value {
         let r = self.get(&format!("/loads?model_name={model}")).await;
         assert_eq!(r.status, 200);
