@@ -162,6 +162,43 @@ fn op(
     ]
 }
 
+/// Long stores (runs: `MIN_RUN` = 32 blocks and more) along a few shared
+/// paths (ones, then twos), removals that punch holes into them, and checks
+/// along the same paths, on few ranks (so walks reach single-holder stretches).
+fn long_op() -> impl Strategy<Value = Op> {
+    let wr = (0..2u64).prop_map(|worker_id| WorkerRank {
+        worker_id,
+        dp_rank: 0,
+    });
+    let tier = || prop::sample::select(vec![Tier::Device, Tier::HostPinned]);
+    let path = |ones: usize, twos: usize| -> Vec<u64> {
+        std::iter::repeat_n(1, ones)
+            .chain(std::iter::repeat_n(2, twos))
+            .collect()
+    };
+    prop_oneof![
+        4 => (wr.clone(), tier(), 0..120u64, 0..90usize, 0..60usize, prop::option::weighted(0.3, 0..120u64))
+            .prop_filter_map("a long store", move |(wr, tier, base, ones, twos, parent)| {
+                let local = path(ones, twos);
+                (local.len() >= 32).then(|| Op::Store {
+                    wr,
+                    tier,
+                    // Distinct within the store; not its parent.
+                    parent: parent.filter(|&p| (p + 120 - base) % 120 >= local.len() as u64),
+                    blocks: local
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &l)| StoredBlock { engine_hash: (base + i as u64) % 120, local_hash: l })
+                        .collect(),
+                })
+            }),
+        3 => (wr.clone(), tier(), prop::collection::vec(0..120u64, 1..6))
+            .prop_map(|(wr, tier, engines)| Op::Remove { wr, tier, engines }),
+        1 => wr.prop_map(Op::Clear),
+        4 => (0..100usize, 0..70usize).prop_map(move |(ones, twos)| Op::Check(path(ones, twos))),
+    ]
+}
+
 fn keys(local: &[u64]) -> Vec<u64> {
     let mut k = Vec::new();
     sequence_hashes(local, PUBLIC_SEED, &mut k);
@@ -260,6 +297,13 @@ proptest! {
     /// Few ranks: inline and sparse holder sets, pathological engine hashes.
     #[test]
     fn index_matches_model_few_ranks(ops in prop::collection::vec(op(3, 2, 10, 0.6, 3), 1..60)) {
+        run(ops)?;
+    }
+
+    /// Long chains: the overlap walk passes whole runs in one step; holes,
+    /// shared blocks and tier changes must stop it where the model stops.
+    #[test]
+    fn index_matches_model_long_chains(ops in prop::collection::vec(long_op(), 1..40)) {
         run(ops)?;
     }
 

@@ -42,7 +42,9 @@ pub(crate) struct Dense {
 /// - `0`: empty (a vacant bucket);
 /// - bit 0 set: inline, up to two packed entries of 31 bits each (bits 1..32
 ///   and 32..63; an entry of 0 is absent; sorted by slot), for slots below
-///   2^27 (larger ones go to a list even when alone);
+///   2^27 (larger ones go to a list even when alone). With bit 63 set as
+///   well there is one entry, and bits 32..63 are a run tag instead of a
+///   second entry (see `runs.rs`);
 /// - else a `Box<Vec<u32>>` (list form) or, with bit 1 set, a `Box<Dense>`;
 ///   both are 8-byte aligned, so the low bits are free for the tag.
 ///
@@ -54,6 +56,10 @@ pub(crate) struct Holders(u64);
 const INLINE: u64 = 1;
 const DENSE_TAG: u64 = 2;
 const ENTRY_BITS: u64 = 0x7FFF_FFFF;
+/// Inline with one entry and a run tag in the second entry's place.
+const RUN_TAG: u64 = 1 << 63;
+/// Largest run tag (31 bits).
+pub(crate) const MAX_TAG: u32 = ENTRY_BITS as u32;
 
 impl Drop for Holders {
     fn drop(&mut self) {
@@ -75,7 +81,14 @@ impl Holders {
             return Form::default();
         }
         if w & INLINE != 0 {
-            let e = [(w >> 1 & ENTRY_BITS) as u32, (w >> 32 & ENTRY_BITS) as u32];
+            // A run tag is dropped with the word: mutations call `untag`
+            // first, so that the run learns of it.
+            let second = if w & RUN_TAG != 0 {
+                0
+            } else {
+                w >> 32 & ENTRY_BITS
+            };
+            let e = [(w >> 1 & ENTRY_BITS) as u32, second as u32];
             let n = (e[0] != 0) as u8 + (e[1] != 0) as u8;
             return Form::Inline { n, e };
         }
@@ -152,7 +165,13 @@ impl Holders {
     pub(crate) fn mask(&self, slot: u32) -> u8 {
         let w = self.0;
         if w & INLINE != 0 {
-            let (a, b) = ((w >> 1 & ENTRY_BITS) as u32, (w >> 32 & ENTRY_BITS) as u32);
+            let a = (w >> 1 & ENTRY_BITS) as u32;
+            // A run tag is not an entry: read as absent (0).
+            let b = if w & RUN_TAG != 0 {
+                0
+            } else {
+                (w >> 32 & ENTRY_BITS) as u32
+            };
             // Absent entries are 0, whose mask bits are 0 too.
             let ma = if a >> 4 == slot { a & 0xF } else { 0 };
             let mb = if b >> 4 == slot { b & 0xF } else { 0 };
@@ -164,8 +183,35 @@ impl Holders {
         self.with(|f| f.mask(slot))
     }
 
+    /// Tags a node held inline by exactly one slot (and not tagged yet) with
+    /// `tag` (at most `MAX_TAG`); false if it is not in that form.
+    pub(crate) fn tag(&mut self, tag: u32) -> bool {
+        debug_assert!(tag <= MAX_TAG);
+        let w = self.0;
+        if w & (INLINE | RUN_TAG) != INLINE || w >> 32 & ENTRY_BITS != 0 || w == INLINE {
+            return false;
+        }
+        self.0 = w | RUN_TAG | (tag as u64) << 32;
+        true
+    }
+
+    /// Removes the run tag, if any, and returns it.
+    pub(crate) fn untag(&mut self) -> Option<u32> {
+        let t = self.run_tag()?;
+        self.0 &= !(RUN_TAG | ENTRY_BITS << 32);
+        Some(t)
+    }
+
+    /// The run tag, if the node has one.
+    #[inline]
+    pub(crate) fn run_tag(&self) -> Option<u32> {
+        let w = self.0;
+        (w & (INLINE | RUN_TAG) == INLINE | RUN_TAG).then_some((w >> 32 & ENTRY_BITS) as u32)
+    }
+
     /// Sets tier bit `tier_bit` (one of the four mask bits) for `slot`.
     pub(crate) fn set(&mut self, slot: u32, tier_bit: u8) -> Change {
+        debug_assert!(self.run_tag().is_none(), "untag before mutating");
         let mut f = self.take();
         let c = f.set(slot, tier_bit);
         self.put(f);
@@ -174,6 +220,7 @@ impl Holders {
 
     /// Clears tier bit `tier_bit` of `slot`.
     pub(crate) fn clear(&mut self, slot: u32, tier_bit: u8) -> Change {
+        debug_assert!(self.run_tag().is_none(), "untag before mutating");
         let mut f = self.take();
         let c = f.clear(slot, tier_bit);
         self.put(f);
@@ -460,6 +507,32 @@ impl Dense {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_run_tag_rides_on_a_single_inline_holder() {
+        let mut h = Holders::default();
+        assert!(!h.tag(5), "empty");
+        h.set(7, DEV);
+        assert!(h.tag(MAX_TAG));
+        assert!(!h.tag(1), "already tagged");
+        assert_eq!(h.run_tag(), Some(MAX_TAG));
+        assert_eq!((h.mask(7), h.mask(0), h.mask(MAX_TAG >> 4)), (DEV, 0, 0));
+        let mut n = 0;
+        h.for_each(|s, m| {
+            assert_eq!((s, m), (7, DEV));
+            n += 1;
+        });
+        assert_eq!(n, 1);
+        assert_eq!(h.untag(), Some(MAX_TAG));
+        assert_eq!(h.untag(), None);
+        h.set(9, HOST);
+        assert!(!h.tag(3), "two holders");
+        assert_eq!((h.mask(7), h.mask(9)), (DEV, HOST));
+        h.clear(9, HOST);
+        assert!(h.tag(0));
+        assert_eq!(h.run_tag(), Some(0));
+        assert_eq!(h.mask(7), DEV);
+    }
+
     use super::*;
     use std::collections::BTreeMap;
 

@@ -80,6 +80,7 @@ pub struct Overlap {
 
 mod engine;
 mod holders;
+mod runs;
 mod table;
 mod walk;
 
@@ -93,6 +94,8 @@ use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use crate::hash::{chain, PUBLIC_SEED};
 use holders::{Change, MAX_SLOT};
+#[cfg(test)]
+use holders::{DEV, HOST};
 
 /// Why a store was refused (nothing of it is indexed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -228,6 +231,7 @@ pub struct Index {
     nodes: Box<[NodeShard]>,
     ranks: Box<[RankShard]>,
     slots: RwLock<Slots>,
+    runs: runs::Runs,
 }
 
 impl Default for Index {
@@ -293,6 +297,7 @@ impl Index {
             nodes: (0..NODE_SHARDS).map(|_| NodeShard::default()).collect(),
             ranks: (0..RANK_SHARDS).map(|_| RankShard::default()).collect(),
             slots: RwLock::new(Slots::default()),
+            runs: runs::Runs::default(),
         }
     }
 
@@ -339,11 +344,26 @@ impl Index {
             slot, tiers, dups, ..
         } = st;
         let mut added = 0;
-        for b in blocks {
+        // Long stores are cut into runs of at most MAX_RUN blocks (the last
+        // one only if it has MIN_RUN blocks); see `runs.rs`.
+        let mut run: Option<(u32, usize)> = None;
+        let mut run_end = 0;
+        for (i, b) in blocks.iter().enumerate() {
             let key = match prev {
                 None => b.local_hash,
                 Some(p) => chain(p, b.local_hash, PUBLIC_SEED),
             };
+            if i == run_end && blocks.len() - i >= runs::MIN_RUN {
+                run_end = (i + runs::MAX_RUN).min(blocks.len());
+                let last = blocks[i + 1..run_end]
+                    .iter()
+                    .fold(key, |k, b| chain(k, b.local_hash, PUBLIC_SEED));
+                run = self
+                    .runs
+                    .begin(run_end - i, tier_bit(t), last)
+                    .map(|id| (id, i));
+            }
+            let tag = run.map(|(id, first)| runs::tag_of(id, i - first));
             let parent_key = prev.unwrap_or(key);
             match tiers[t].insert(b.engine_hash, key) {
                 Some(old) if old == key => {}
@@ -351,15 +371,21 @@ impl Index {
                     if let Some(old) = old {
                         self.release(*slot, dups, t, old);
                     }
-                    self.acquire(*slot, dups, t, key, b.local_hash, parent_key);
+                    self.acquire(*slot, dups, t, key, b.local_hash, parent_key, tag);
                     added += 1;
                 }
             }
             prev = Some(key);
+            if i + 1 == run_end {
+                if let Some((id, _)) = run.take() {
+                    self.runs.end(id);
+                }
+            }
         }
         Ok(added)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn acquire(
         &self,
         slot: u32,
@@ -368,13 +394,22 @@ impl Index {
         key: u64,
         local: u64,
         parent: u64,
+        tag: Option<u32>,
     ) {
         let mut g = self.nodes[node_shard(key)].0.write();
         let table = &mut *g;
         let node = table.nodes.entry(key, local, parent);
+        if let Some(old) = node.holders.untag() {
+            self.runs.untagged(old);
+        }
         let before = node.holders.heap_bytes();
         let change = node.holders.set(slot, tier_bit(t));
         table.heap = table.heap + node.holders.heap_bytes() - before;
+        if let Some(tag) = tag {
+            if node.holders.tag(tag) {
+                self.runs.tagged(tag);
+            }
+        }
         if change == Change::Changed {
             table.entries += 1;
         } else {
@@ -395,7 +430,11 @@ impl Index {
         let mut g = self.nodes[node_shard(key)].0.write();
         let table = &mut *g;
         let heap = &mut table.heap;
+        let runs = &self.runs;
         let change = table.nodes.update(key, |node| {
+            if let Some(old) = node.holders.untag() {
+                runs.untagged(old);
+            }
             let before = node.holders.heap_bytes();
             let change = node.holders.clear(slot, tier_bit(t));
             *heap = *heap + node.holders.heap_bytes() - before;
@@ -587,6 +626,21 @@ impl Index {
                 let node = table::probe_likely(tables[node_shard(key)], homes[j], key);
                 if let (Some((slot, need)), Some(n)) = (single, node) {
                     if n.holders.mask(slot) & need != 0 {
+                        // Held inline by `slot` alone: a whole run it heads
+                        // into (runs.rs) is passed in one step.
+                        if let Some((more, last)) =
+                            n.holders.run_tag().and_then(|t| self.runs.ahead(t, need))
+                        {
+                            let to = start + j + more;
+                            if more > 0 && seq_keys.get(to) == Some(&last) {
+                                // The next block is likely another run's
+                                // head: a short chunk, so that few keys are
+                                // hashed and prefetched for nothing.
+                                start = to + 1;
+                                chunk = 4;
+                                continue 'chunks;
+                            }
+                        }
                         continue;
                     }
                 }
@@ -753,7 +807,10 @@ impl Index {
 
     /// Size figures (walks every shard briefly; not for the hot path).
     pub fn stats(&self) -> IndexStats {
-        let mut s = IndexStats::default();
+        let mut s = IndexStats {
+            bytes: self.runs.heap_bytes(),
+            ..IndexStats::default()
+        };
         for sh in self.nodes.iter() {
             let g = sh.0.read();
             s.nodes += g.nodes.len();
@@ -842,6 +899,75 @@ mod tests {
             host_ext,
             disk_ext,
         }
+    }
+
+    /// What the walk would read at `key`'s node: blocks of a whole run
+    /// ahead of it, and the run's last key.
+    fn run_ahead(ix: &Index, key: u64, need: u8) -> Option<(usize, u64)> {
+        let g = ix.nodes[node_shard(key)].0.read();
+        let n = table::probe_likely(g.nodes.buckets(), g.nodes.home_of(key), key)?;
+        ix.runs.ahead(n.holders.run_tag()?, need)
+    }
+
+    #[test]
+    fn long_stores_make_runs_that_stop_at_holes_and_other_tiers() {
+        let local: Vec<u64> = (1..=100).collect();
+        let engine: Vec<u64> = (1001..=1100).collect();
+        let k = keys(&local);
+        let ix = Index::new();
+        ix.store(wr(1), Tier::Device, None, &blocks(&engine, &local))
+            .unwrap();
+        assert_eq!(run_ahead(&ix, k[1], DEV), Some((98, k[99])));
+        assert_eq!(run_ahead(&ix, k[1], HOST), None, "the run is on device");
+        assert_eq!(ov(&ix, &local), vec![(wr(1), o(100, 0, 0))]);
+        // A hole: the run is no longer whole, the walk stops at it.
+        assert_eq!(ix.remove(wr(1), Tier::Device, &[1051]), 1);
+        assert_eq!(run_ahead(&ix, k[1], DEV), None);
+        assert_eq!(ov(&ix, &local), vec![(wr(1), o(50, 0, 0))]);
+        // A second holder untags the nodes it shares.
+        ix.store(wr(1), Tier::Device, Some(1050), &blocks(&[1051], &[51]))
+            .unwrap();
+        ix.store(
+            wr(2),
+            Tier::Device,
+            None,
+            &blocks(&engine[..40], &local[..40]),
+        )
+        .unwrap();
+        assert_eq!(
+            ov(&ix, &local),
+            vec![(wr(1), o(100, 0, 0)), (wr(2), o(40, 0, 0))]
+        );
+        ix.clear(wr(1));
+        ix.clear(wr(2));
+        assert_eq!(ix.runs.heap_bytes(), 0, "no live run keeps its segment");
+
+        // Device for 60 blocks, then host for all 100: the host run's first
+        // 60 nodes are on device too, but a device walk may not pass the
+        // host run.
+        ix.store(
+            wr(1),
+            Tier::Device,
+            None,
+            &blocks(&engine[..60], &local[..60]),
+        )
+        .unwrap();
+        ix.store(wr(1), Tier::HostPinned, None, &blocks(&engine, &local))
+            .unwrap();
+        assert_eq!(run_ahead(&ix, k[1], DEV), None);
+        assert_eq!(run_ahead(&ix, k[1], DEV | HOST), Some((98, k[99])));
+        assert_eq!(ov(&ix, &local), vec![(wr(1), o(60, 40, 0))]);
+        // Stores shorter than MIN_RUN make no run.
+        let ix = Index::new();
+        ix.store(
+            wr(1),
+            Tier::Device,
+            None,
+            &blocks(&engine[..31], &local[..31]),
+        )
+        .unwrap();
+        assert_eq!(run_ahead(&ix, k[1], DEV), None);
+        assert_eq!(ix.runs.heap_bytes(), 0);
     }
 
     #[test]
