@@ -304,7 +304,13 @@ impl App {
         }
         let form = if cfg.assume_kv_reuse {
             identities.extend_from_slice(seqs);
-            IdentityForm::Arbitrary
+            // Given hashes are a chain only if they are the chain of the
+            // given block hashes (a client echoing /select's reply).
+            if !seqs.is_empty() && seqs == &seq_keys[..] {
+                IdentityForm::Chained
+            } else {
+                IdentityForm::Arbitrary
+            }
         } else {
             random_identities(seqs.len(), &mut identities);
             IdentityForm::Chained

@@ -188,7 +188,7 @@ impl Holders {
     pub(crate) fn tag(&mut self, tag: u32) -> bool {
         debug_assert!(tag <= MAX_TAG);
         let w = self.0;
-        if w & (INLINE | RUN_TAG) != INLINE || w >> 32 & ENTRY_BITS != 0 || w == INLINE {
+        if w & (INLINE | RUN_TAG) != INLINE || w >> 32 & ENTRY_BITS != 0 {
             return false;
         }
         self.0 = w | RUN_TAG | (tag as u64) << 32;

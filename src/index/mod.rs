@@ -17,14 +17,16 @@
 //!   mutex: per tier, engine hash -> node key (parent lookup and
 //!   `BlockRemoved`), plus a count of extra engine hashes naming a key that is
 //!   already held (so one removal does not drop a block still named twice).
+//! - A store of `runs::MIN_RUN` blocks or more records *runs* (`runs.rs`), so
+//!   that the walk passes a single-holder stretch of a prompt a run at a time.
 //!
 //! Locking: no global lock. A store locks its rank, then one node shard at a
 //! time, for one block at a time (short write sections). An overlap walk takes
 //! shard read locks lazily with `read_recursive` (so holding several can never
 //! deadlock against a queued writer) and drops them all every `WALK_CHUNK`
 //! blocks, so a writer waits at most one chunk. Guards never leave this module.
-//! Lock order: rank registry shard -> rank -> node shard; the slot table is
-//! taken alone.
+//! Lock order: rank registry shard -> rank -> node shard -> run records
+//! (`runs.rs`: allocator -> segments); the slot table is taken alone.
 
 /// One scheduling candidate: a worker's data-parallel rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -139,7 +141,7 @@ pub struct IndexStats {
     pub entries: usize,
     /// (worker, rank) pairs with state.
     pub ranks: usize,
-    /// Approximate heap bytes (table capacities and holder lists).
+    /// Approximate heap bytes (table capacities, holder lists, run records).
     pub bytes: usize,
 }
 
@@ -957,6 +959,24 @@ mod tests {
         assert_eq!(run_ahead(&ix, k[1], DEV), None);
         assert_eq!(run_ahead(&ix, k[1], DEV | HOST), Some((98, k[99])));
         assert_eq!(ov(&ix, &local), vec![(wr(1), o(60, 40, 0))]);
+        // A store longer than MAX_RUN is cut: 512 blocks, then 88; a tail
+        // shorter than MIN_RUN makes no run.
+        for (n, tail_run) in [(600usize, true), (530, false)] {
+            let ix = Index::new();
+            let local: Vec<u64> = (1..=n as u64).collect();
+            let engine: Vec<u64> = (1..=n as u64).map(|e| e + 10_000).collect();
+            let k = keys(&local);
+            ix.store(wr(1), Tier::Device, None, &blocks(&engine, &local))
+                .unwrap();
+            assert_eq!(run_ahead(&ix, k[1], DEV), Some((510, k[511])));
+            assert_eq!(
+                run_ahead(&ix, k[512], DEV),
+                tail_run.then(|| (n - 513, k[n - 1]))
+            );
+            assert_eq!(ov(&ix, &local), vec![(wr(1), o(n as u32, 0, 0))]);
+            assert_eq!(ix.remove(wr(1), Tier::Device, &[10_000 + n as u64]), 1);
+            assert_eq!(ov(&ix, &local), vec![(wr(1), o(n as u32 - 1, 0, 0))]);
+        }
         // Stores shorter than MIN_RUN make no run.
         let ix = Index::new();
         ix.store(

@@ -209,15 +209,23 @@ mod tests {
         runs.end(id);
         runs.untagged(tag_of(id, 5));
         assert_eq!(runs.ahead(tag_of(id, 0), 1), None, "a hole");
-        for k in 1..40 {
+        for k in (0..40).filter(|&k| k != 5) {
             assert_eq!(runs.live(), 1);
             runs.untagged(tag_of(id, k));
         }
-        assert_eq!(runs.live(), 0);
-        // The id is reused.
-        assert_eq!(runs.begin(32, 1, 5), Some(id));
+        assert_eq!((runs.live(), runs.heap_bytes()), (0, 0), "all given back");
+        // A freed id is reused while others are live.
+        let a = runs.begin(32, 1, 5).unwrap();
+        let b = runs.begin(32, 1, 6).unwrap();
+        runs.tagged(tag_of(b, 0));
+        runs.end(b);
+        runs.end(a);
+        assert_eq!(runs.live(), 1);
+        assert_eq!(runs.begin(32, 1, 7), Some(a));
         // A run that tagged nothing is freed by `end`.
-        runs.end(id);
+        runs.end(a);
+        assert_eq!(runs.live(), 1);
+        runs.untagged(tag_of(b, 0));
         assert_eq!(runs.live(), 0);
     }
 

@@ -267,7 +267,9 @@ impl Chains {
             return;
         };
         self.lists.swap_remove(i);
-        let gone = (ids.len() - self.max_lcp(ids)) as u64;
+        // Exact for chains; capped so that identities that break the chain
+        // property (a 64-bit hash collision) cannot wrap the counts.
+        let gone = ((ids.len() - self.max_lcp(ids)) as u64).min(self.distinct);
         self.distinct -= gone;
         cell.weighted
             .fetch_sub(gone * u64::from(WEIGHT_ONE), Ordering::Relaxed);
@@ -485,12 +487,16 @@ fn weight_fp(f: f64) -> Option<u32> {
 /// One more hold of `x` by `cell`'s rank (called with `x`'s shard locked,
 /// so the rank's weighted sum changes under the lock that owns the weight).
 fn hold(map: &mut IdentMap, x: u64, m: u64, cell: &RankCell) {
-    let (h, inserted) = map.get_or_insert_with(x, m, || Holders::new(cell.slot));
-    let new = inserted || h.acquire(cell.slot);
-    if new {
+    if hold_unweighted(map, x, m, cell) {
         cell.weighted
             .fetch_add(u64::from(WEIGHT_ONE), Ordering::Relaxed);
     }
+}
+
+/// `hold` without the weight; true if `x` is new on the rank.
+fn hold_unweighted(map: &mut IdentMap, x: u64, m: u64, cell: &RankCell) -> bool {
+    let (h, inserted) = map.get_or_insert_with(x, m, || Holders::new(cell.slot));
+    inserted || h.acquire(cell.slot)
 }
 
 /// One hold of `x` by `cell`'s rank less (called with `x`'s shard locked).
@@ -670,11 +676,15 @@ impl Ledger {
     /// For each rank of `ranks`, how many of `identities` (assumed distinct)
     /// are not active on it; `out[i]` answers `ranks[i]`.
     ///
-    /// Cost O(ranks + identities + hits), and less for shared prefixes: each
-    /// identity is looked up once in the global index, its holders' hit
-    /// counters are bumped, and a run of identities with the very same
-    /// holder list (a prefix active on many ranks) is counted with one
-    /// comparison per identity. All-idle candidates skip the lookups.
+    /// A chained query on a chained rank costs O(bookings on the rank x log
+    /// identities) (module docs). The table answers for the other ranks in
+    /// O(identities + hits), and less for shared prefixes: each identity is
+    /// looked up once in the global index, its holders' hit counters are
+    /// bumped, and a run of identities with the very same holder list (a
+    /// prefix active on many ranks) is counted with one comparison per
+    /// identity. All-idle candidates skip the lookups. An `Arbitrary` query
+    /// first moves every busy rank it asks about into the table (for the
+    /// life of the rank's entry: until its bookings drain).
     ///
     /// Like every read here it is not a snapshot: bookings that change during
     /// the call may or may not be counted (the same as one read earlier or later).
@@ -813,12 +823,14 @@ impl Ledger {
             return;
         }
         chains.tabled = true;
+        // Each distinct identity already counts 1.0 in `weighted`, the weight
+        // its table entry starts with: the holds leave the sum alone, so
+        // readers never see it change.
         for ids in chains.lists.drain(..) {
-            self.by_ident_shard(&ids, |map, x, m| hold(map, x, m, cell));
+            self.by_ident_shard(&ids, |map, x, m| {
+                hold_unweighted(map, x, m, cell);
+            });
         }
-        // The holds counted each distinct identity again.
-        cell.weighted
-            .fetch_sub(chains.distinct * u64::from(WEIGHT_ONE), Ordering::Relaxed);
         chains.distinct = 0;
     }
 
