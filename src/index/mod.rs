@@ -357,13 +357,10 @@ impl Index {
             };
             if i == run_end && blocks.len() - i >= runs::MIN_RUN {
                 run_end = (i + runs::MAX_RUN).min(blocks.len());
-                let last = blocks[i + 1..run_end]
-                    .iter()
-                    .fold(key, |k, b| chain(k, b.local_hash, PUBLIC_SEED));
-                run = self
-                    .runs
-                    .begin(run_end - i, tier_bit(t), last)
-                    .map(|id| (id, i));
+                run = self.runs.begin(run_end - i, tier_bit(t)).map(|id| (id, i));
+            }
+            if let (Some((id, _)), true) = (run, i + 1 == run_end) {
+                self.runs.last_key(id, key);
             }
             let tag = run.map(|(id, first)| runs::tag_of(id, i - first));
             let parent_key = prev.unwrap_or(key);

@@ -100,10 +100,11 @@ impl Runs {
         }
     }
 
-    /// Starts a run of `len` blocks on tier `tier_bit` ending with
-    /// `last_key`; `None` when every record id is in use. Tag its nodes with
-    /// `tag_of`, counting each with `tagged`, then call `end`.
-    pub(crate) fn begin(&self, len: usize, tier_bit: u8, last_key: u64) -> Option<u32> {
+    /// Starts a run of `len` blocks on tier `tier_bit`; `None` when every
+    /// record id is in use. Tag its nodes with `tag_of`, counting each with
+    /// `tagged`, give its last key with `last_key` before tagging its last
+    /// node (the run cannot be whole before that), then call `end`.
+    pub(crate) fn begin(&self, len: usize, tier_bit: u8) -> Option<u32> {
         debug_assert!((MIN_RUN..=MAX_RUN).contains(&len));
         let mut a = self.alloc.lock();
         let id = match a.free.pop() {
@@ -122,13 +123,19 @@ impl Runs {
         };
         drop(a);
         self.with(id, |r| {
-            r.last_key.store(last_key, Ordering::Relaxed);
+            r.last_key.store(0, Ordering::Relaxed);
             r.state.store(
                 len as u64 | u64::from(tier_bit) << TIER_SHIFT | CREATING,
                 Ordering::Release,
             );
         });
         Some(id)
+    }
+
+    /// The key of run `id`'s last block (published to walkers by the last
+    /// node's `tagged`, which makes the run whole).
+    pub(crate) fn last_key(&self, id: u32, key: u64) {
+        self.with(id, |r| r.last_key.store(key, Ordering::Relaxed));
     }
 
     /// One more node carries `tag` (of a run that has not ended).
@@ -198,7 +205,8 @@ mod tests {
     #[test]
     fn a_record_lives_until_its_last_tag_goes() {
         let runs = Runs::default();
-        let id = runs.begin(40, 1, 77).unwrap();
+        let id = runs.begin(40, 1).unwrap();
+        runs.last_key(id, 77);
         assert_eq!(runs.ahead(tag_of(id, 0), 1), None, "no tags yet");
         for k in 0..40 {
             runs.tagged(tag_of(id, k));
@@ -215,13 +223,13 @@ mod tests {
         }
         assert_eq!((runs.live(), runs.heap_bytes()), (0, 0), "all given back");
         // A freed id is reused while others are live.
-        let a = runs.begin(32, 1, 5).unwrap();
-        let b = runs.begin(32, 1, 6).unwrap();
+        let a = runs.begin(32, 1).unwrap();
+        let b = runs.begin(32, 1).unwrap();
         runs.tagged(tag_of(b, 0));
         runs.end(b);
         runs.end(a);
         assert_eq!(runs.live(), 1);
-        assert_eq!(runs.begin(32, 1, 7), Some(a));
+        assert_eq!(runs.begin(32, 1), Some(a));
         // A run that tagged nothing is freed by `end`.
         runs.end(a);
         assert_eq!(runs.live(), 1);
@@ -232,7 +240,7 @@ mod tests {
     #[test]
     fn an_untag_during_the_store_does_not_free_the_record() {
         let runs = Runs::default();
-        let id = runs.begin(32, 1, 5).unwrap();
+        let id = runs.begin(32, 1).unwrap();
         runs.tagged(tag_of(id, 0));
         runs.untagged(tag_of(id, 0));
         assert_eq!(runs.live(), 1);
