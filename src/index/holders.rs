@@ -61,6 +61,17 @@ const RUN_TAG: u64 = 1 << 63;
 /// Largest run tag (31 bits).
 pub(crate) const MAX_TAG: u32 = ENTRY_BITS as u32;
 
+/// The second inline entry of word `w`; a run tag in its place reads as
+/// absent (0).
+#[inline]
+fn second_entry(w: u64) -> u32 {
+    if w & RUN_TAG != 0 {
+        0
+    } else {
+        (w >> 32 & ENTRY_BITS) as u32
+    }
+}
+
 impl Drop for Holders {
     fn drop(&mut self) {
         drop(self.take());
@@ -83,12 +94,7 @@ impl Holders {
         if w & INLINE != 0 {
             // A run tag is dropped with the word: mutations call `untag`
             // first, so that the run learns of it.
-            let second = if w & RUN_TAG != 0 {
-                0
-            } else {
-                w >> 32 & ENTRY_BITS
-            };
-            let e = [(w >> 1 & ENTRY_BITS) as u32, second as u32];
+            let e = [(w >> 1 & ENTRY_BITS) as u32, second_entry(w)];
             let n = (e[0] != 0) as u8 + (e[1] != 0) as u8;
             return Form::Inline { n, e };
         }
@@ -165,13 +171,7 @@ impl Holders {
     pub(crate) fn mask(&self, slot: u32) -> u8 {
         let w = self.0;
         if w & INLINE != 0 {
-            let a = (w >> 1 & ENTRY_BITS) as u32;
-            // A run tag is not an entry: read as absent (0).
-            let b = if w & RUN_TAG != 0 {
-                0
-            } else {
-                (w >> 32 & ENTRY_BITS) as u32
-            };
+            let (a, b) = ((w >> 1 & ENTRY_BITS) as u32, second_entry(w));
             // Absent entries are 0, whose mask bits are 0 too.
             let ma = if a >> 4 == slot { a & 0xF } else { 0 };
             let mb = if b >> 4 == slot { b & 0xF } else { 0 };

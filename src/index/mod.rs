@@ -95,7 +95,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use crate::hash::{chain, PUBLIC_SEED};
-use holders::{Change, MAX_SLOT};
+use holders::{Change, Holders, MAX_SLOT};
 #[cfg(test)]
 use holders::{DEV, HOST};
 
@@ -259,6 +259,24 @@ fn tier_bit(t: usize) -> u8 {
     1 << t
 }
 
+/// The one way the index changes a node's holders: any run tag comes off
+/// first (the node is no longer as its run's store left it, `runs.rs`), then
+/// `f` runs, and the table's heap count follows the holders' allocation.
+fn change_holders(
+    runs: &runs::Runs,
+    heap: &mut usize,
+    holders: &mut Holders,
+    f: impl FnOnce(&mut Holders) -> Change,
+) -> Change {
+    if let Some(old) = holders.untag() {
+        runs.untagged(old);
+    }
+    let before = holders.heap_bytes();
+    let change = f(holders);
+    *heap = *heap + holders.heap_bytes() - before;
+    change
+}
+
 /// A store may not name one engine hash twice, nor its own parent.
 fn check_self_reference(parent: Option<u64>, blocks: &[StoredBlock]) -> Result<(), StoreError> {
     if blocks.len() <= 32 {
@@ -359,7 +377,8 @@ impl Index {
                 run_end = (i + runs::MAX_RUN).min(blocks.len());
                 run = self.runs.begin(run_end - i, tier_bit(t)).map(|id| (id, i));
             }
-            if let (Some((id, _)), true) = (run, i + 1 == run_end) {
+            let last_of_run = i + 1 == run_end;
+            if let (Some((id, _)), true) = (run, last_of_run) {
                 self.runs.last_key(id, key);
             }
             let tag = run.map(|(id, first)| runs::tag_of(id, i - first));
@@ -375,10 +394,9 @@ impl Index {
                 }
             }
             prev = Some(key);
-            if i + 1 == run_end {
-                if let Some((id, _)) = run.take() {
-                    self.runs.end(id);
-                }
+            if let (Some((id, _)), true) = (run, last_of_run) {
+                self.runs.end(id);
+                run = None;
             }
         }
         Ok(added)
@@ -398,12 +416,9 @@ impl Index {
         let mut g = self.nodes[node_shard(key)].0.write();
         let table = &mut *g;
         let node = table.nodes.entry(key, local, parent);
-        if let Some(old) = node.holders.untag() {
-            self.runs.untagged(old);
-        }
-        let before = node.holders.heap_bytes();
-        let change = node.holders.set(slot, tier_bit(t));
-        table.heap = table.heap + node.holders.heap_bytes() - before;
+        let change = change_holders(&self.runs, &mut table.heap, &mut node.holders, |h| {
+            h.set(slot, tier_bit(t))
+        });
         if let Some(tag) = tag {
             if node.holders.tag(tag) {
                 self.runs.tagged(tag);
@@ -429,15 +444,10 @@ impl Index {
         let mut g = self.nodes[node_shard(key)].0.write();
         let table = &mut *g;
         let heap = &mut table.heap;
-        let runs = &self.runs;
         let change = table.nodes.update(key, |node| {
-            if let Some(old) = node.holders.untag() {
-                runs.untagged(old);
-            }
-            let before = node.holders.heap_bytes();
-            let change = node.holders.clear(slot, tier_bit(t));
-            *heap = *heap + node.holders.heap_bytes() - before;
-            change
+            change_holders(&self.runs, heap, &mut node.holders, |h| {
+                h.clear(slot, tier_bit(t))
+            })
         });
         if change == Some(Change::Changed) {
             table.entries -= 1;
