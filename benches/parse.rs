@@ -47,7 +47,8 @@ type Case = (&'static str, Box<dyn FnMut(&[u8]) -> usize>);
 /// Every contender, each returning the token count it read.
 fn contenders() -> Vec<Case> {
     let scalar = parser(NumberPath::Scalar);
-    let simd = parser(NumberPath::Simd);
+    let avx2 = parser(NumberPath::Avx2);
+    let avx512 = parser(NumberPath::Avx512);
     let mut scratch: Vec<u8> = Vec::new();
     let mut copy: Vec<u8> = Vec::new();
     vec![
@@ -98,9 +99,16 @@ fn contenders() -> Vec<Case> {
             }),
         ),
         (
-            "kvselect_simd",
+            "kvselect_avx2",
             Box::new(move |b: &[u8]| {
-                let r = simd.select(b, SelectKind::Select).unwrap();
+                let r = avx2.select(b, SelectKind::Select).unwrap();
+                r.prompt.token_ids.as_ref().map_or(0, |t| t.len())
+            }),
+        ),
+        (
+            "kvselect_avx512",
+            Box::new(move |b: &[u8]| {
+                let r = avx512.select(b, SelectKind::Select).unwrap();
                 r.prompt.token_ids.as_ref().map_or(0, |t| t.len())
             }),
         ),

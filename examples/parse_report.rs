@@ -6,7 +6,9 @@
 //! `cargo run --release --example parse_report`
 
 use kvselect::parse::oracle::{RefSelect, RefSelectFlatten};
-use kvselect::parse::{avx2_available, NumberPath, ParseLimits, Parser, SelectKind};
+use kvselect::parse::{
+    avx2_available, avx512_available, NumberPath, ParseLimits, Parser, SelectKind,
+};
 use kvselect::pool::Pool;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -77,14 +79,19 @@ fn main() {
         .with_number_path(p)
     };
     let scalar = mk(NumberPath::Scalar);
-    let simd = mk(NumberPath::Simd);
+    let avx2 = mk(NumberPath::Avx2);
+    let avx512 = mk(NumberPath::Avx512);
     let ours = |p: &Parser, b: &[u8]| {
         let r = p.select(b, SelectKind::Select).unwrap();
         r.prompt.token_ids.as_ref().map_or(0, |t| t.len())
     };
     if let Ok(which) = std::env::var("PARSE_REPORT_PROFILE") {
         // Profiling aid: loop one of our paths for a few seconds.
-        let p = if which == "scalar" { &scalar } else { &simd };
+        let p = match which.as_str() {
+            "scalar" => &scalar,
+            "avx2" => &avx2,
+            _ => &avx512,
+        };
         for _ in 0..3000 {
             black_box(ours(p, &b));
         }
@@ -147,13 +154,15 @@ fn main() {
             ),
         ),
         ("kvselect_scalar", median_ns(|b| ours(&scalar, b), &b)),
-        ("kvselect_simd", median_ns(|b| ours(&simd, b), &b)),
+        ("kvselect_avx2", median_ns(|b| ours(&avx2, b), &b)),
+        ("kvselect_avx512", median_ns(|b| ours(&avx512, b), &b)),
     ];
     let serde_typed = rows[2].1;
     println!(
-        "100k-token /select body: {} bytes, avx2={}",
+        "100k-token /select body: {} bytes, avx2={} avx512={}",
         b.len(),
-        avx2_available()
+        avx2_available(),
+        avx512_available()
     );
     for (name, ns) in &rows {
         println!(
@@ -164,7 +173,8 @@ fn main() {
             serde_typed / ns
         );
     }
-    let best = rows[5].1.min(rows[6].1);
+    let best = rows[5].1.min(rows[6].1).min(rows[7].1);
+    println!("avx512_vs_avx2_100k={:.2}", rows[6].1 / rows[7].1);
     println!(
         "scalar_ratio_vs_serde_typed_100k={:.2}",
         serde_typed / rows[5].1

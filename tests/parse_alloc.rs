@@ -54,7 +54,7 @@ fn body() -> Vec<u8> {
 #[test]
 fn steady_state_parse_allocates_nothing() {
     let b = body();
-    for path in [NumberPath::Scalar, NumberPath::Simd] {
+    for path in [NumberPath::Scalar, NumberPath::Avx2, NumberPath::Avx512] {
         let p = Parser::default().with_number_path(path);
         for _ in 0..3 {
             let r = p.select(&b, SelectKind::SelectAndReserve).unwrap();

@@ -1,33 +1,41 @@
-//! Property tests: the AVX2 token loop equals the scalar loop exactly (values
-//! and errors), and both agree with serde_json (the oracle) on the class
+//! Property tests: the AVX2 and AVX-512 token loops equal the scalar loop
+//! exactly (values and errors), and both agree with serde_json (the oracle) on the class
 //! (ok / 400 / 422) and on the values, on random and adversarial bodies.
 
 use kvselect::parse::oracle::{differential_select, parse_debug, BodyKind};
 use kvselect::parse::{NumberPath, Parser};
 use proptest::prelude::*;
 
-fn parsers() -> (Parser, Parser) {
+/// The scalar loop and the vector loops it is compared with.
+fn parsers() -> (Parser, [Parser; 2]) {
     let p = Parser::default();
     (
         p.clone().with_number_path(NumberPath::Scalar),
-        p.with_number_path(NumberPath::Simd),
+        [
+            p.clone().with_number_path(NumberPath::Avx2),
+            p.with_number_path(NumberPath::Avx512),
+        ],
     )
 }
 
-/// Both loops, then the oracle.
+/// All loops, then the oracle.
 fn check(body: &[u8]) {
-    let (scalar, simd) = parsers();
+    let (scalar, vector) = parsers();
     for kind in [
         BodyKind::Select,
         BodyKind::PromptQuery,
         BodyKind::Reservation,
     ] {
-        assert_eq!(
-            parse_debug(&scalar, kind, body),
-            parse_debug(&simd, kind, body),
-            "scalar != simd on {:?}",
-            String::from_utf8_lossy(body)
-        );
+        let want = parse_debug(&scalar, kind, body);
+        for v in &vector {
+            assert_eq!(
+                want,
+                parse_debug(v, kind, body),
+                "scalar != {:?} on {:?}",
+                v.number_path,
+                String::from_utf8_lossy(body)
+            );
+        }
     }
     differential_select(body);
 }
@@ -123,7 +131,7 @@ proptest! {
 
     #[test]
     fn valid_bodies_parse_to_the_same_ids(b in valid_body()) {
-        let (scalar, simd) = parsers();
+        let (scalar, [avx2, avx512]) = parsers();
         let want: serde_json::Value = serde_json::from_str(&b).unwrap();
         let want: Vec<u32> = want["token_ids"]
             .as_array()
@@ -131,7 +139,7 @@ proptest! {
             .iter()
             .map(|v| v.as_u64().unwrap() as u32)
             .collect();
-        for p in [&scalar, &simd] {
+        for p in [&scalar, &avx2, &avx512] {
             let r = p.select(b.as_bytes(), kvselect::parse::SelectKind::Select).unwrap();
             prop_assert_eq!(&r.prompt.token_ids.as_ref().unwrap()[..], &want[..]);
         }

@@ -56,7 +56,7 @@ fn concurrent_lifecycles_return_every_counter_to_zero() {
                     // An arbitrary query tables every busy rank: only now
                     // and then, so chained ranks are read concurrently too.
                     n += 1;
-                    if form == IdentityForm::Arbitrary && n % 64 != 0 {
+                    if form == IdentityForm::Arbitrary && !n.is_multiple_of(64) {
                         continue;
                     }
                     ledger.new_blocks(ranks, &query, form, &mut nb);

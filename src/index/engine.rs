@@ -189,7 +189,7 @@ mod tests {
             x ^= x >> 7;
             x ^= x << 17;
             // Few distinct keys (so removals hit), including 0.
-            let key = (x % 5000).wrapping_mul(0x2545_F491_4F6C_DD1D) * (x % 7 != 0) as u64;
+            let key = (x % 5000).wrapping_mul(0x2545_F491_4F6C_DD1D) * !x.is_multiple_of(7) as u64;
             if round % 3 == 2 || (round > 30_000 && round % 3 != 0) {
                 assert_eq!(t.remove(&key), m.remove(&key));
                 t.shrink();

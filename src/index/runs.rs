@@ -112,7 +112,7 @@ impl Runs {
             None if (a.next as usize) < IDS => {
                 a.next += 1;
                 let id = a.next - 1;
-                if id as usize % SEGMENT == 0 {
+                if (id as usize).is_multiple_of(SEGMENT) {
                     self.segments
                         .write()
                         .push((0..SEGMENT).map(|_| Record::default()).collect());

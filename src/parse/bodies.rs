@@ -186,7 +186,7 @@ impl Parser {
                         return Ok(());
                     }
                     let mut buf = self.tokens.take();
-                    u32_array(cur, &mut buf, self.limits.max_tokens, self.use_simd())?;
+                    u32_array(cur, &mut buf, self.limits.max_tokens, self.vector())?;
                     p.token_ids = Some(buf);
                     Ok(())
                 })();
@@ -240,7 +240,7 @@ impl Parser {
                         return Ok(());
                     }
                     let mut buf = self.tokens.take();
-                    u32_array(cur, &mut buf, self.limits.max_tokens, self.use_simd())?;
+                    u32_array(cur, &mut buf, self.limits.max_tokens, self.vector())?;
                     m.routing_token_ids = Some(buf);
                     Ok(())
                 })();

@@ -21,7 +21,8 @@ pub mod oracle;
 pub mod request;
 mod simd;
 
-pub use simd::avx2_available;
+use simd::Vector;
+pub use simd::{avx2_available, avx512_available};
 
 pub use request::*;
 
@@ -93,13 +94,15 @@ impl Default for ParseLimits {
 /// Which loop converts token arrays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum NumberPath {
-    /// AVX2 when the CPU has it, else scalar.
+    /// The best run the CPU has: AVX-512, else AVX2, else scalar.
     #[default]
     Auto,
     /// The plain byte loop only.
     Scalar,
-    /// AVX2 runs (falls back to scalar on CPUs without AVX2).
-    Simd,
+    /// AVX2 runs (scalar on CPUs without AVX2).
+    Avx2,
+    /// AVX-512 runs (AVX2, else scalar, on CPUs without the AVX-512 parts).
+    Avx512,
 }
 
 /// Parses request bodies into views; holds the limits and the buffer pools.
@@ -128,10 +131,17 @@ impl Parser {
         self
     }
 
-    fn use_simd(&self) -> bool {
+    fn vector(&self) -> Option<Vector> {
         match self.number_path {
-            NumberPath::Scalar => false,
-            NumberPath::Auto | NumberPath::Simd => avx2_available(),
+            NumberPath::Scalar => None,
+            NumberPath::Avx2 => avx2_available().then_some(Vector::Avx2),
+            NumberPath::Auto | NumberPath::Avx512 => {
+                if avx512_available() {
+                    Some(Vector::Avx512)
+                } else {
+                    avx2_available().then_some(Vector::Avx2)
+                }
+            }
         }
     }
 }

@@ -11,7 +11,7 @@
 //! element it does not like and this loop carries on from there.
 
 use super::cursor::{fail, is_ws, Context, Cur, PResult};
-use super::simd::{self, Run};
+use super::simd::{self, Run, Vector};
 use super::ErrorClass;
 
 #[cold]
@@ -106,7 +106,7 @@ pub(crate) fn u32_array(
     cur: &mut Cur<'_>,
     out: &mut Vec<u32>,
     max: usize,
-    use_simd: bool,
+    vector: Option<Vector>,
 ) -> PResult<()> {
     if cur.array_start()? {
         return Ok(());
@@ -115,8 +115,8 @@ pub(crate) fn u32_array(
     let base = out.len();
     let mut i = cur.i;
     loop {
-        if use_simd {
-            match simd::u32_run(b, i, out, base + max) {
+        if let Some(v) = vector {
+            match simd::u32_run(b, i, out, base + max, v) {
                 Run::Done(end) => {
                     cur.i = end;
                     cur.leave();

@@ -43,7 +43,8 @@ pub fn parse_debug(p: &Parser, kind: BodyKind, body: &[u8]) -> Result<String, Pa
     }
 }
 
-/// Fuzz-target body: no panic, sane error positions, scalar == SIMD.
+/// Fuzz-target body: no panic, sane error positions, scalar == AVX2 ==
+/// AVX-512 (each vector path where the CPU has it).
 pub fn fuzz_body(kind: BodyKind, body: &[u8]) {
     let limits = ParseLimits {
         max_depth: DEFAULT_MAX_DEPTH,
@@ -51,10 +52,12 @@ pub fn fuzz_body(kind: BodyKind, body: &[u8]) {
     };
     let scalar = Parser::new(limits, Pool::new(4, 1 << 16), Pool::new(4, 1 << 16))
         .with_number_path(NumberPath::Scalar);
-    let simd = scalar.clone().with_number_path(NumberPath::Simd);
     let a = parse_debug(&scalar, kind, body);
-    let b = parse_debug(&simd, kind, body);
-    assert_eq!(a, b, "scalar and SIMD token loops disagree");
+    for path in [NumberPath::Avx2, NumberPath::Avx512] {
+        let vector = scalar.clone().with_number_path(path);
+        let b = parse_debug(&vector, kind, body);
+        assert_eq!(a, b, "scalar and {path:?} token loops disagree");
+    }
     if let Err(e) = &a {
         assert!(e.offset <= body.len(), "error offset past the body: {e:?}");
         assert!(e.line >= 1);

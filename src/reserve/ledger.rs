@@ -1218,7 +1218,7 @@ mod tests {
             15 => r != 7,
             16..=24 => true,
             25..=29 => r < 3,
-            30..=34 => r % 2 == 0,
+            30..=34 => r.is_multiple_of(2),
             _ => r == x % 20,
         };
         let mut held: Vec<Vec<u64>> = vec![Vec::new(); 20];
