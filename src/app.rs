@@ -461,7 +461,6 @@ impl App {
         let reserved = kind == SelectKind::SelectAndReserve;
         let resp = SelectResponse {
             selection_id: selection_id.as_deref(),
-            sequence_hashes: reserved.then(|| AsI64(&identities[..prompt_blocks])),
             isl_tokens: reserved.then_some(prompt.isl_tokens),
             track_prefill_tokens: reserved.then_some(track),
             model_name: model,
@@ -483,7 +482,18 @@ impl App {
         };
         // An i64 is at most 20 characters and a comma.
         let hashes = if reserved { prompt_blocks * 21 } else { 0 };
-        Ok(Reply::ok_sized(&resp, 512 + hashes + resp.endpoint.len()))
+        let mut reply = Reply::ok_sized(&resp, 512 + hashes + resp.endpoint.len());
+        if reserved {
+            // The largest field, written last by the fast writer: the
+            // object's closing brace comes off and goes back after it.
+            let body = &mut reply.body;
+            debug_assert_eq!(body.last(), Some(&b'}'));
+            body.pop();
+            body.extend_from_slice(br#","sequence_hashes":"#);
+            crate::json_out::push_i64_array(body, &identities[..prompt_blocks]);
+            body.push(b'}');
+        }
+        Ok(reply)
     }
 
     fn choose(
@@ -967,15 +977,6 @@ impl LoadRow {
     }
 }
 
-/// Serialises u64 identities as the wire's signed i64.
-struct AsI64<'a>(&'a [u64]);
-
-impl Serialize for AsI64<'_> {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(self.0.iter().map(|&h| h as i64))
-    }
-}
-
 #[derive(Serialize)]
 struct OverlapOut {
     longest_matched: u64,
@@ -997,8 +998,6 @@ struct WorkerLoad {
 struct SelectResponse<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     selection_id: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    sequence_hashes: Option<AsI64<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     isl_tokens: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -15,6 +15,7 @@
 //! | `select` | the cost model and the choice (pure) | lock or do I/O |
 //! | `catalog` | worker records, lifecycle, partitions, readiness; keeps ingest, index and load in step | parse JSON |
 //! | `app` | one method per route: view in, JSON out, errors as `AppError` | know HTTP |
+//! | `json_out` | i64 arrays of replies, byte for byte serde_json's (AVX-512 or `itoa`) | allocate beyond its reserve |
 //! | `http` | accept loop, routing, 415/413, the one error -> status mapping | hold domain state |
 //! | `config`, `runtime`, `recovery` | CLI/env -> `Config`; pinned runtime; start-up /dump recovery | |
 
@@ -30,6 +31,7 @@ pub mod app;
 pub mod catalog;
 pub mod config;
 pub mod http;
+pub mod json_out;
 pub mod recovery;
 pub mod runtime;
 pub mod select;
