@@ -19,7 +19,8 @@
 /// Appends `[v0,v1,...]`, each value written as the i64 it encodes (the wire
 /// form of block and sequence hashes); byte for byte serde_json's output.
 pub fn push_i64_array(out: &mut Vec<u8>, values: &[u64]) {
-    out.reserve(values.len() * MAX_ELEMENT + 2);
+    // + 64: the vector path's last store writes a whole 64-byte vector.
+    out.reserve(values.len() * MAX_ELEMENT + 2 + 64);
     out.push(b'[');
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
@@ -78,10 +79,11 @@ mod avx512 {
 
     /// Eight ASCII digits of each 64-bit lane (< 10^8), most significant first
     /// in memory: /10^4 into the two dwords, /100 into words, /10 into bytes
-/// (all but the first with 16-bit multiplies, one micro-op each).
+    /// (all but the first with 16-bit multiplies, one micro-op each).
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vbmi2,bmi1,lzcnt,popcnt")]
     fn digits8(x: __m512i) -> __m512i {
-        // x / 10^4 == (x * 1759218605) >> 44 for x < 2^32.
+        // x / 10^4 == (x * 1759218605) >> 44 for x < 10^8 (checked
+        // exhaustively; it fails from about 3.15e9).
         let q = _mm512_srli_epi64(_mm512_mul_epu32(x, _mm512_set1_epi64(1_759_218_605)), 44);
         let r = _mm512_sub_epi64(x, _mm512_mul_epu32(q, _mm512_set1_epi64(10_000)));
         let y = _mm512_or_si512(q, _mm512_slli_epi64(r, 32));

@@ -249,9 +249,11 @@ pub fn scan_u64(body: &[u8], key: &str) -> Option<u64> {
     pat.push(b'"');
     pat.extend_from_slice(key.as_bytes());
     pat.extend_from_slice(b"\":");
-    // The last occurrence: in a `/select_and_reserve` answer the key sits
-    // behind thousands of sequence hashes, near the end.
-    let at = body.windows(pat.len()).rposition(|w| w == pat.as_slice())? + pat.len();
+    // The first occurrence: a top-level key cannot occur inside a number
+    // array, nor unescaped inside a string. kvselect writes the thousands of
+    // `sequence_hashes` last, so the search stops before them; behind the
+    // reference's (second in its object) it reads through them.
+    let at = body.windows(pat.len()).position(|w| w == pat.as_slice())? + pat.len();
     let digits: &[u8] = &body[at..];
     let digits = &digits[..digits
         .iter()

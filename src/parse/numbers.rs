@@ -6,7 +6,7 @@
 //! `[n,n, n,...]` inline; anything unusual (sign, fraction, exponent, leading
 //! zero, more than 10 digits, a value above `u32::MAX`, a non-number) goes to
 //! the general cursor at that element, which produces serde's exact error.
-//! With [`NumberPath::Simd`](super::NumberPath) the AVX2 run in
+//! With a vector [`NumberPath`](super::NumberPath) the AVX-512 or AVX2 run in
 //! [`super::simd`] converts whole stretches first; it stops at the first
 //! element it does not like and this loop carries on from there.
 
