@@ -1,4 +1,6 @@
-//! The AVX2 run over token arrays: the only `unsafe` in the parser.
+//! The vector runs over token arrays: the only `unsafe` in the parser. The
+//! AVX-512 run (`mod avx512`, described there) is used where the CPU has it;
+//! this header describes the AVX2 run, which has the same contract.
 //!
 //! [`u32_run`] starts at the first byte of an array element and converts
 //! elements while they have the common shape: 1 to 10 digits, no leading zero,
@@ -24,7 +26,7 @@
 //! kept (`set_len`) only once it is known valid; the run never pushes past
 //! `max` elements.
 
-/// Where an AVX2 run stopped.
+/// Where a vector run (AVX2 or AVX-512) stopped.
 pub(crate) enum Run {
     /// The array ended; the offset is just past its `]`.
     Done(usize),
@@ -37,20 +39,13 @@ pub(crate) enum Run {
 pub fn avx2_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::sync::atomic::{AtomicU8, Ordering};
-        static STATE: AtomicU8 = AtomicU8::new(0); // 0 unknown, 1 no, 2 yes
-        match STATE.load(Ordering::Relaxed) {
-            2 => true,
-            1 => false,
-            _ => {
-                let yes = std::is_x86_feature_detected!("avx2")
-                    && std::is_x86_feature_detected!("bmi1")
-                    && std::is_x86_feature_detected!("lzcnt")
-                    && std::is_x86_feature_detected!("popcnt");
-                STATE.store(if yes { 2 } else { 1 }, Ordering::Relaxed);
-                yes
-            }
-        }
+        static STATE: AtomicU8 = AtomicU8::new(UNKNOWN);
+        detected_once(&STATE, || {
+            std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("bmi1")
+                && std::is_x86_feature_detected!("lzcnt")
+                && std::is_x86_feature_detected!("popcnt")
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -64,25 +59,38 @@ pub fn avx2_available() -> bool {
 pub fn avx512_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::sync::atomic::{AtomicU8, Ordering};
-        static STATE: AtomicU8 = AtomicU8::new(0); // 0 unknown, 1 no, 2 yes
-        match STATE.load(Ordering::Relaxed) {
-            2 => true,
-            1 => false,
-            _ => {
-                let yes = avx2_available()
-                    && std::is_x86_feature_detected!("avx512f")
-                    && std::is_x86_feature_detected!("avx512bw")
-                    && std::is_x86_feature_detected!("avx512vbmi")
-                    && std::is_x86_feature_detected!("avx512vbmi2");
-                STATE.store(if yes { 2 } else { 1 }, Ordering::Relaxed);
-                yes
-            }
-        }
+        static STATE: AtomicU8 = AtomicU8::new(UNKNOWN);
+        detected_once(&STATE, || {
+            avx2_available()
+                && std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("avx512vbmi")
+                && std::is_x86_feature_detected!("avx512vbmi2")
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+use std::sync::atomic::{AtomicU8, Ordering};
+#[cfg(target_arch = "x86_64")]
+const UNKNOWN: u8 = 0;
+
+/// `detect()`'s answer, computed on the first call and kept in `state`
+/// (0 unknown, 1 no, 2 yes).
+#[cfg(target_arch = "x86_64")]
+fn detected_once(state: &AtomicU8, detect: impl FnOnce() -> bool) -> bool {
+    match state.load(Ordering::Relaxed) {
+        2 => true,
+        1 => false,
+        _ => {
+            let yes = detect();
+            state.store(if yes { 2 } else { 1 }, Ordering::Relaxed);
+            yes
+        }
     }
 }
 
