@@ -151,9 +151,20 @@ fn digits_value(b: &[u8], q: usize, n: usize) -> u64 {
     }
 }
 
+/// The exact check of one digit run of `n` digits at `b[q..]` (the vector
+/// runs' slow path): its value if it is a u32 without a leading zero, else
+/// `None` (the scalar loop then reports it). Needs `q + 10 <= b.len()`.
+#[inline]
+fn exact_u32(b: &[u8], q: usize, n: usize) -> Option<u32> {
+    if !(1..=10).contains(&n) || (n > 1 && b[q] == b'0') {
+        return None;
+    }
+    u32::try_from(digits_value(b, q, n)).ok()
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{digits_value, Run};
+    use super::{digits_value, exact_u32, Run};
     use crate::parse::cursor::is_ws;
     use std::arch::x86_64::*;
 
@@ -341,18 +352,13 @@ mod avx2 {
                 for k in 0..count {
                     let q = pos[k] as usize;
                     let n = 8 - (shift[k] >> 3);
-                    let value = if (1..=10).contains(&n) && (n == 1 || b[q] != b'0') {
-                        digits_value(b, q, n as usize)
-                    } else {
-                        u64::MAX
-                    };
-                    if value > u32::MAX as u64 {
+                    let Some(value) = exact_u32(b, q, n as usize) else {
                         // SAFETY: slots base..base + k were written below.
                         unsafe { out.set_len(base + k) };
                         return Run::Bail(q);
-                    }
+                    };
                     // SAFETY: k < count <= SLOTS, reserved above.
-                    unsafe { dst.add(k).write(value as u32) };
+                    unsafe { dst.add(k).write(value) };
                 }
                 // SAFETY: slots base..base + count were written in the loop.
                 unsafe { out.set_len(base + count) };
@@ -431,7 +437,7 @@ mod avx2 {
 /// at `p`, and the scalar loop takes that element.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{digits_value, Run};
+    use super::{exact_u32, Run};
     use std::arch::x86_64::*;
 
     /// Bytes loaded per step (one bit each in a u64 mask).
@@ -583,18 +589,13 @@ mod avx512 {
                     let q = p + at;
                     let len = (!digit >> at).trailing_zeros() as usize;
                     // q + 10 <= p + MARGIN <= b.len() for digits_value.
-                    let value = if len <= 10 && (len == 1 || b[q] != b'0') {
-                        digits_value(b, q, len)
-                    } else {
-                        u64::MAX
-                    };
-                    if value > u32::MAX as u64 {
+                    let Some(value) = exact_u32(b, q, len) else {
                         // SAFETY: slots base..base + k were written below.
                         unsafe { out.set_len(base + k) };
                         return Run::Bail(q);
-                    }
+                    };
                     // SAFETY: k < n <= SLOTS, reserved above.
-                    unsafe { dst.add(k).write(value as u32) };
+                    unsafe { dst.add(k).write(value) };
                     k += 1;
                 }
             }
