@@ -3,7 +3,7 @@
 //!
 //! Owns: the byte cursor (`cursor`), one hand-written visitor per body of the
 //! API (`bodies`), the number-array loops (`numbers`, scalar) and their AVX2
-//! twin (`simd`, the only `unsafe`), and the 400/422/413 classification.
+//! and AVX-512 runs (`simd`, the only `unsafe`), and the 400/422/413 classification.
 //! Does not: know HTTP (the HTTP layer adds the axum-style message prefixes and
 //! picks the status from [`ErrorClass`]).
 //!
@@ -134,14 +134,8 @@ impl Parser {
     fn vector(&self) -> Option<Vector> {
         match self.number_path {
             NumberPath::Scalar => None,
-            NumberPath::Avx2 => avx2_available().then_some(Vector::Avx2),
-            NumberPath::Auto | NumberPath::Avx512 => {
-                if avx512_available() {
-                    Some(Vector::Avx512)
-                } else {
-                    avx2_available().then_some(Vector::Avx2)
-                }
-            }
+            NumberPath::Avx2 => Vector::detect(false),
+            NumberPath::Auto | NumberPath::Avx512 => Vector::detect(true),
         }
     }
 }

@@ -87,7 +87,7 @@ fn scalar_u32(b: &[u8], i: &mut usize) -> Option<u32> {
 
 /// One element the fast loops refused, parsed by the general cursor: either
 /// a value after all or the exact error. The cursor may sit on whitespace
-/// (the AVX2 run hands over right after a comma). A `]` here follows a comma
+/// (a vector run hands over right after a comma). A `]` here follows a comma
 /// (`[]` is handled up front): serde's `trailing comma`, reported on the
 /// array itself, not on an element.
 #[cold]

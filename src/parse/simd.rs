@@ -94,33 +94,53 @@ fn detected_once(state: &AtomicU8, detect: impl FnOnce() -> bool) -> bool {
     }
 }
 
-/// Which vector run converts token arrays.
+/// A vector run this CPU has. Only [`Vector::detect`] makes one, so holding
+/// a `Vector` proves its features were detected: [`u32_run`] does not check
+/// again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Vector {
+pub(crate) struct Vector(Isa);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Isa {
     Avx2,
     Avx512,
+}
+
+impl Vector {
+    /// The widest run the CPU has (AVX-512 only when `avx512`), or `None`:
+    /// then the scalar loop does all the work.
+    pub(crate) fn detect(avx512: bool) -> Option<Vector> {
+        if avx512 && avx512_available() {
+            Some(Vector(Isa::Avx512))
+        } else {
+            avx2_available().then_some(Vector(Isa::Avx2))
+        }
+    }
 }
 
 /// Converts common-shape elements starting at `i` (an element start) into
 /// `out` until the array ends, an element of another shape appears, the body
 /// is too close to its end for whole-chunk loads, or `out` reaches `max`.
-/// `v` must be a run the CPU has (see [`Vector`]'s callers).
 #[inline]
 pub(crate) fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize, v: Vector) -> Run {
     #[cfg(target_arch = "x86_64")]
     {
-        if v == Vector::Avx512 && avx512_available() {
-            // SAFETY: the AVX-512 parts, BMI1, LZCNT and POPCNT were detected
-            // at run time.
-            return unsafe { avx512::u32_run(b, i, out, max) };
-        }
-        if avx2_available() {
-            // SAFETY: AVX2, BMI1, LZCNT and POPCNT were detected at run time.
-            return unsafe { avx2::u32_run(b, i, out, max) };
+        // SAFETY: a `Vector` exists only once its features were detected at
+        // run time (`Vector::detect`): the AVX-512 parts or AVX2, each with
+        // BMI1, LZCNT and POPCNT.
+        unsafe {
+            match v.0 {
+                Isa::Avx512 => avx512::u32_run(b, i, out, max),
+                Isa::Avx2 => avx2::u32_run(b, i, out, max),
+            }
         }
     }
-    let _ = (b, out, max, v);
-    Run::Bail(i)
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        // Unreachable: `Vector::detect` gives `None` off x86-64.
+        let _ = (b, out, max, v);
+        Run::Bail(i)
+    }
 }
 
 /// Eight ASCII digits (first digit in the lowest byte, already minus `'0'`)
