@@ -480,8 +480,11 @@ impl App {
             potential_decode_blocks,
             worker_load,
         };
-        // An i64 is at most 20 characters and a comma.
-        let hashes = if reserved { prompt_blocks * 21 } else { 0 };
+        let hashes = if reserved {
+            crate::json_out::i64_array_capacity(prompt_blocks)
+        } else {
+            0
+        };
         let mut reply = Reply::ok_sized(&resp, 512 + hashes + resp.endpoint.len());
         if reserved {
             // The largest field, written last by the fast writer: the

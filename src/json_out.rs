@@ -19,8 +19,7 @@
 /// Appends `[v0,v1,...]`, each value written as the i64 it encodes (the wire
 /// form of block and sequence hashes); byte for byte serde_json's output.
 pub fn push_i64_array(out: &mut Vec<u8>, values: &[u64]) {
-    // + 64: the vector path's last store writes a whole 64-byte vector.
-    out.reserve(values.len() * MAX_ELEMENT + 2 + 64);
+    out.reserve(i64_array_capacity(values.len()));
     out.push(b'[');
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
@@ -43,6 +42,13 @@ pub fn push_i64_array(out: &mut Vec<u8>, values: &[u64]) {
 
 /// Longest element: a comma, a sign and 19 digits (i64::MIN).
 const MAX_ELEMENT: usize = 21;
+
+/// Bytes [`push_i64_array`] may need for `n` values (it reserves them): the
+/// longest elements, the brackets, and the vector path's last store, which
+/// writes a whole 64 bytes. Callers size their buffer with it.
+pub fn i64_array_capacity(n: usize) -> usize {
+    n * MAX_ELEMENT + 2 + 64
+}
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
