@@ -19,7 +19,6 @@
 //! | `http` | accept loop, routing, 415/413, the one error -> status mapping | hold domain state |
 //! | `config`, `runtime`, `recovery` | CLI/env -> `Config`; pinned runtime; start-up /dump recovery | |
 
-pub mod harness;
 pub mod hash;
 pub mod index;
 pub mod ingest;

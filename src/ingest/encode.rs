@@ -1,8 +1,10 @@
 //! msgpack encoder for KV-event batches in the layouts real engines put on the
 //! wire (`kv-events.md` §3): a test publisher's half of [`super::decode`].
 //!
-//! Owns: building payloads. Used by integration tests, benches and anyone who
-//! needs to drive kvselect without an engine. Tests additionally pin the exact
+//! Owns: building payloads, the one encoder of this format in the project.
+//! Compiled for unit tests and with the `testkit` feature only: integration
+//! tests, benches, fuzzing and the load harness's mock engines use it; the
+//! server never encodes events. Tests additionally pin the exact
 //! bytes of the spec's captured examples, so this encoder and the decoder
 //! cannot drift together unnoticed.
 
@@ -13,9 +15,11 @@ use rmp::encode as w;
 /// How events are laid out inside the batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EventForm {
-    /// Tagged map with a `"type"` key (vLLM >= 0.24, SGLang, TRT-LLM bridge):
-    /// `type, block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-    /// medium, lora_name`, then set optional keys.
+    /// Tagged map with a `"type"` key (vLLM >= 0.24, SGLang, TRT-LLM bridge),
+    /// as msgspec writes vLLM 0.34's structs: `BlockStored` declares 16 fields,
+    /// so its header is map16 whatever the count; its keys are `type,
+    /// block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+    /// lora_name, extra_keys` (one nil per block), then the set optional keys.
     Map,
     /// Tagged positional array as vLLM 0.23 (12-element BlockStored, 4-element
     /// BlockRemoved, trailing nils included).
@@ -140,11 +144,13 @@ pub fn encode_event(out: &mut Vec<u8>, e: &KvEvent, form: EventForm) {
             opt_uint(out, r.group.idx.map(u64::from));
         }
         (KvEvent::Stored(s), EventForm::Map) => {
-            let n = 8
-                + s.cache_salt.is_some() as u32
-                + s.group.idx.is_some() as u32
-                + s.group.kind.is_some() as u32;
-            ok(w::write_map_len(out, n));
+            let n = 9
+                + s.cache_salt.is_some() as u16
+                + s.group.idx.is_some() as u16
+                + s.group.kind.is_some() as u16;
+            // map16 even below 16 keys, as msgspec writes a 16-field struct.
+            out.push(0xde);
+            out.extend_from_slice(&n.to_be_bytes());
             str_(out, "type");
             str_(out, "BlockStored");
             str_(out, "block_hashes");
@@ -161,6 +167,9 @@ pub fn encode_event(out: &mut Vec<u8>, e: &KvEvent, form: EventForm) {
             str_(out, medium_of(s.medium));
             str_(out, "lora_name");
             opt_str(out, s.lora_name.as_deref());
+            str_(out, "extra_keys");
+            ok(w::write_array_len(out, s.block_hashes.len() as u32));
+            out.resize(out.len() + s.block_hashes.len(), 0xc0);
             if let Some(salt) = &s.cache_salt {
                 str_(out, "cache_salt");
                 str_(out, salt);
@@ -189,5 +198,78 @@ pub fn encode_event(out: &mut Vec<u8>, e: &KvEvent, form: EventForm) {
             opt_str(out, s.group.kind.map(kind_str));
             ok(w::write_nil(out)); // sliding window
         }
+    }
+}
+
+/// Seconds since the Unix epoch, as vLLM stamps its batches.
+pub fn now_ts() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ingest::decode::{Group, GroupKind, Removed, Stored};
+
+    const GROUP0: Group = Group {
+        idx: Some(0),
+        kind: Some(GroupKind::MainAttention),
+    };
+
+    #[test]
+    fn removed_event_matches_the_captured_vllm_bytes() {
+        // Frame captured from vLLM 0.34 in kv-events.md §3.2 (ts aside).
+        let mut out = Vec::new();
+        let ts = f64::from_bits(0x41dac409318d25c6);
+        let ev = KvEvent::Removed(Removed {
+            block_hashes: vec![0xe57ac088eb28b677],
+            medium: Tier::Device,
+            group: Group {
+                idx: Some(0),
+                kind: None,
+            },
+        });
+        encode_batch(&mut out, ts, &[ev], Some(0), EventForm::Map);
+        let mut want = vec![
+            0x93, 0xcb, 0x41, 0xda, 0xc4, 0x09, 0x31, 0x8d, 0x25, 0xc6, 0x91,
+        ];
+        want.push(0x84);
+        want.push(0xa4);
+        want.extend_from_slice(b"type");
+        want.push(0xac);
+        want.extend_from_slice(b"BlockRemoved");
+        want.push(0xac);
+        want.extend_from_slice(b"block_hashes");
+        want.extend_from_slice(&[0x91, 0xcf, 0xe5, 0x7a, 0xc0, 0x88, 0xeb, 0x28, 0xb6, 0x77]);
+        want.push(0xa6);
+        want.extend_from_slice(b"medium");
+        want.push(0xa3);
+        want.extend_from_slice(b"GPU");
+        want.push(0xa9);
+        want.extend_from_slice(b"group_idx");
+        want.push(0x00);
+        want.push(0x00);
+        assert_eq!(out, want);
+    }
+
+    #[test]
+    fn stored_event_uses_a_map16_header() {
+        let mut out = Vec::new();
+        let ev = KvEvent::Stored(Stored {
+            block_hashes: vec![1, 2],
+            parent_hash: None,
+            token_ids: vec![7; 32],
+            eagle: false,
+            block_size: 16,
+            medium: Tier::Device,
+            lora_name: None,
+            cache_salt: None,
+            group: GROUP0,
+        });
+        encode_batch(&mut out, 1.0, &[ev], Some(0), EventForm::Map);
+        assert_eq!(&out[10..14], &[0x91, 0xde, 0x00, 0x0b]);
     }
 }

@@ -3,7 +3,7 @@
 //! | file | owns |
 //! |---|---|
 //! | `decode.rs` | pure wire decoding: frames, replay replies, msgpack batches |
-//! | `encode.rs` | the same wire format written out (test publishers, benches) |
+//! | `encode.rs` | the same wire format written out; `testkit` feature only (tests, benches, harness) |
 //! | `apply.rs` | decoded events -> index calls, per-listener filtering rules |
 //! | `subscriber.rs` | the hub: threads, ZMQ sockets, cursors, replay, restarts |
 //!
@@ -12,6 +12,7 @@
 
 pub mod apply;
 pub mod decode;
+#[cfg(any(test, feature = "testkit"))]
 pub mod encode;
 pub mod subscriber;
 

@@ -17,6 +17,7 @@
 mod bodies;
 mod cursor;
 mod numbers;
+#[cfg(any(test, feature = "testkit"))]
 pub mod oracle;
 pub mod request;
 mod simd;

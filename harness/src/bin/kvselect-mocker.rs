@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use kvselect::harness::loadgen;
-use kvselect::harness::mocker::{Mocker, MockerConfig};
+use kvselect_harness::loadgen;
+use kvselect_harness::mocker::{Mocker, MockerConfig};
 
 #[derive(Parser, Debug)]
 #[command(about = "Mock vLLM workers publishing KV events over ZMQ")]

@@ -5,8 +5,8 @@
 //! `kvselect-loadgen --url 127.0.0.1:8092 --server-pid $PID --client-cores 1`
 
 use clap::Parser;
-use kvselect::harness::bench::{self, LoadArgs};
-use kvselect::harness::loadgen;
+use kvselect_harness::bench::{self, LoadArgs};
+use kvselect_harness::loadgen;
 
 #[derive(Parser, Debug)]
 #[command(about = "Agentic-session load generator with mock vLLM workers")]

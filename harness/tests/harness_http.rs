@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use kvselect::harness::http::HttpConn;
+use kvselect_harness::http::HttpConn;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 

@@ -1,10 +1,9 @@
-//! Load harness for the issue-5 experiment: mock vLLM workers publishing real
+//! Load harness: mock vLLM workers publishing real
 //! ZMQ KV events, an agentic-session load generator, and the side-by-side
 //! runner that measures kvselect and the Dynamo reference in one run.
 //!
 //! | module | owns | does NOT |
 //! |---|---|---|
-//! | `wire` | vLLM 0.34 batch/event msgpack bytes (publisher side) | decode |
 //! | `mocker` | mock workers: PUB + replay ROUTER sockets, LRU KV cache | speak HTTP |
 //! | `http` | minimal keep-alive HTTP/1.1 client | retry or pool |
 //! | `loadgen` | registration, sessions, measurements, report tables | start servers |
@@ -18,4 +17,3 @@ pub mod http;
 pub mod loadgen;
 pub mod mocker;
 pub mod procstat;
-pub mod wire;

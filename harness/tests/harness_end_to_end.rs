@@ -4,12 +4,13 @@
 //! must show the selector followed the KV events (a high hit ratio). A paced
 //! run must start turns at the offered rate, not as fast as it can.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use clap::Parser;
-use kvselect::harness::bench::{self, LoadArgs};
-use kvselect::harness::loadgen::Report;
 use kvselect::reserve::LedgerStats;
+use kvselect_harness::bench::{self, LoadArgs};
+use kvselect_harness::loadgen::Report;
 
 #[derive(Parser)]
 struct Args {

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use kvselect::harness::mocker::{Mocker, MockerConfig};
 use kvselect::hash;
+use kvselect_harness::mocker::{Mocker, MockerConfig};
 use rmp::Marker;
 
 #[derive(Debug, Clone, PartialEq)]

@@ -20,8 +20,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::wire::{self, Event, END_MARKER_SEQ};
-use crate::hash;
+use kvselect::hash;
+use kvselect::index::Tier;
+use kvselect::ingest::decode::{Group, GroupKind, KvEvent, Removed, Stored};
+use kvselect::ingest::encode::{encode_batch, now_ts, EventForm};
 
 /// Defaults of the simulated engine.
 pub const DEFAULT_WORKERS: usize = 1024;
@@ -32,6 +34,13 @@ pub const DEFAULT_REPLAY_BYTES: usize = 8 << 20;
 /// libzmq refuses more than 1023 sockets per context by default; 2 sockets
 /// per worker, so this many workers share one context.
 const WORKERS_PER_CONTEXT: usize = 400;
+/// Seq value of the replay end marker (`kv-events.md` §4).
+pub const END_MARKER_SEQ: u64 = u64::MAX;
+/// The one KV-cache group a mock engine has: vLLM's group 0, full attention.
+const GROUP: Group = Group {
+    idx: Some(0),
+    kind: Some(GroupKind::MainAttention),
+};
 
 /// Configuration of a fleet of mock workers.
 #[derive(Debug, Clone)]
@@ -442,22 +451,34 @@ impl Mocker {
         if new == 0 && st.scratch_removed.is_empty() {
             return Ok(outcome);
         }
-        let mut events: Vec<Event<'_>> = st
+        // vLLM emits one BlockRemoved per evicted block, in group 0.
+        let mut events: Vec<KvEvent> = st
             .scratch_removed
             .iter()
-            .map(|&h| Event::Removed { block_hash: h })
+            .map(|&h| {
+                KvEvent::Removed(Removed {
+                    block_hashes: vec![h],
+                    medium: Tier::Device,
+                    group: GROUP,
+                })
+            })
             .collect();
         if new > 0 {
             let b = bs as usize;
-            events.push(Event::Stored {
-                block_hashes: &seqs[hit..],
-                parent: hit.checked_sub(1).map(|i| seqs[i]),
-                token_ids: &tokens[hit * b..n * b],
+            events.push(KvEvent::Stored(Stored {
+                block_hashes: seqs[hit..].to_vec(),
+                parent_hash: hit.checked_sub(1).map(|i| seqs[i]),
+                token_ids: tokens[hit * b..n * b].to_vec(),
+                eagle: false,
                 block_size: bs,
-            });
+                medium: Tier::Device,
+                lora_name: None,
+                cache_salt: None,
+                group: GROUP,
+            }));
         }
         let mut payload = Vec::new();
-        wire::encode_batch(&mut payload, wire::now_ts(), &events, 0);
+        encode_batch(&mut payload, now_ts(), &events, Some(0), EventForm::Map);
         drop(events);
         let seq = st.next_seq;
         st.next_seq += 1;
@@ -478,7 +499,13 @@ impl Mocker {
         let mut st = w.state.lock().unwrap_or_else(|p| p.into_inner());
         st.cache.clear();
         let mut payload = Vec::new();
-        wire::encode_batch(&mut payload, wire::now_ts(), &[Event::AllCleared], 0);
+        encode_batch(
+            &mut payload,
+            now_ts(),
+            &[KvEvent::Cleared],
+            Some(0),
+            EventForm::Map,
+        );
         let seq = st.next_seq;
         st.next_seq += 1;
         let _ = st.publisher.send_multipart(

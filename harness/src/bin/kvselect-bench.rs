@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use kvselect::harness::bench::{self, LoadArgs, DEFAULT_VENV};
-use kvselect::harness::loadgen::{self, Report};
+use kvselect_harness::bench::{self, LoadArgs, DEFAULT_VENV};
+use kvselect_harness::loadgen::{self, Report};
 
 #[derive(Parser, Debug)]
 #[command(about = "kvselect vs Dynamo selection service, same load, one run")]
