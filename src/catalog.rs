@@ -316,15 +316,26 @@ impl Catalog {
     }
 
     /// All records, sorted by worker id, filtered by exact model / group.
+    /// The workers in the reference's order: by model name, routing group,
+    /// then worker id.
     pub fn list(&self, model: Option<&str>, group: Option<&str>) -> Vec<WorkerRecord> {
-        self.state
+        let mut out: Vec<WorkerRecord> = self
+            .state
             .lock()
             .workers
             .values()
             .filter(|w| model.is_none_or(|m| w.model_name == m))
             .filter(|w| group.is_none_or(|g| w.routing_group == g))
             .cloned()
-            .collect()
+            .collect();
+        out.sort_by(|a, b| {
+            (&a.model_name, &a.routing_group, a.worker_id).cmp(&(
+                &b.model_name,
+                &b.routing_group,
+                b.worker_id,
+            ))
+        });
+        out
     }
 
     /// POST /workers: replaces the whole record.

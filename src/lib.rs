@@ -14,7 +14,8 @@
 //! | `reserve` | bookings, active load, pending-selection cache | pick workers |
 //! | `select` | the cost model and the choice (pure) | lock or do I/O |
 //! | `catalog` | worker records, lifecycle, partitions, readiness; keeps ingest, index and load in step | parse JSON |
-//! | `app` | one method per route: view in, JSON out, errors as `AppError` | know HTTP |
+//! | `app` | one method per route: typed view in, typed reply out, errors as `ServiceError` | know HTTP or JSON |
+//! | `metrics` | /metrics text | |
 //! | `json_out` | i64 arrays of replies, byte for byte serde_json's (AVX-512 or `itoa`) | allocate beyond its reserve |
 //! | `http` | accept loop, routing, 415/413, the one error -> status mapping | hold domain state |
 //! | `config`, `runtime`, `recovery` | CLI/env -> `Config`; pinned runtime; start-up /dump recovery | |
@@ -31,6 +32,7 @@ pub mod catalog;
 pub mod config;
 pub mod http;
 pub mod json_out;
+pub mod metrics;
 pub mod recovery;
 pub mod runtime;
 pub mod select;

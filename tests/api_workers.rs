@@ -274,8 +274,9 @@ async fn list_filters_are_exact_and_independent() {
             .map(|w| w["worker_id"].as_u64().unwrap())
             .collect()
     };
-    assert_eq!(ids(s.get("/workers").await.json()), vec![1, 2, 3]);
-    assert_eq!(ids(s.get("/workers?model_name=a").await.json()), vec![2, 3]);
+    // The reference's order: model name, routing group, worker id.
+    assert_eq!(ids(s.get("/workers").await.json()), vec![3, 2, 1]);
+    assert_eq!(ids(s.get("/workers?model_name=a").await.json()), vec![3, 2]);
     assert_eq!(ids(s.get("/workers?routing_group=g").await.json()), vec![2]);
     assert_eq!(
         ids(s
@@ -313,4 +314,36 @@ async fn moving_partition_drops_old_load_and_creates_new_partition() {
     assert_eq!(loads[1]["loads"][0]["active_requests"], 0);
     let r = s.delete("/reservations/r").await;
     assert_eq!(r.status, 404, "its bookings went with it");
+}
+
+#[tokio::test]
+async fn workers_are_listed_by_model_group_then_id() {
+    let s = start().await;
+    for (id, model, group) in [(10, "b", "g"), (3, "a", "z"), (1, "b", "g"), (7, "a", "y")] {
+        let r = s
+            .post(
+                "/workers",
+                &json!({"worker_id": id, "model_name": model, "routing_group": group}),
+            )
+            .await;
+        assert_eq!(r.status, 201);
+    }
+    let ids: Vec<u64> = s
+        .get("/workers")
+        .await
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["worker_id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ids, [7, 3, 1, 10]);
+    let ready = s.get("/ready").await.json();
+    let ids: Vec<u64> = ready["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["worker_id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ids, [7, 3, 1, 10]);
 }

@@ -2,14 +2,14 @@
 //! `{"error": "..."}` body. The match is exhaustive on purpose: a new error
 //! kind must choose its status here.
 
-use crate::app::AppError;
-use crate::parse::ErrorClass;
+use crate::app::ServiceError;
+use crate::parse::{ErrorClass, ParseError};
 use hyper::StatusCode;
 
 /// Failures of the HTTP front door itself, before a handler runs.
 #[derive(Debug)]
 pub enum HttpError {
-    App(AppError),
+    Service(ServiceError),
     UnsupportedMediaType,
     PayloadTooLarge,
     RouteNotFound,
@@ -22,17 +22,23 @@ pub enum HttpError {
     BodyRead(String),
 }
 
-impl From<AppError> for HttpError {
-    fn from(e: AppError) -> Self {
-        HttpError::App(e)
+impl From<ServiceError> for HttpError {
+    fn from(e: ServiceError) -> Self {
+        HttpError::Service(e)
+    }
+}
+
+impl From<ParseError> for HttpError {
+    fn from(e: ParseError) -> Self {
+        HttpError::Service(ServiceError::Parse(e))
     }
 }
 
 impl HttpError {
     pub fn status_and_message(&self) -> (StatusCode, String) {
         match self {
-            HttpError::App(e) => match e {
-                AppError::Parse(p) => match p.class {
+            HttpError::Service(e) => match e {
+                ServiceError::Parse(p) => match p.class {
                     ErrorClass::Syntax => (
                         StatusCode::BAD_REQUEST,
                         format!("Failed to parse the request body as JSON: {p}"),
@@ -46,14 +52,14 @@ impl HttpError {
                         format!("Request body too large: {p}"),
                     ),
                 },
-                AppError::BadRequest(m) => (StatusCode::BAD_REQUEST, m.clone()),
-                AppError::NotReady(m) => (StatusCode::SERVICE_UNAVAILABLE, m.clone()),
-                AppError::NoEndpoints => (
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "no endpoints available to route work".to_string(),
-                ),
-                AppError::NotFound(m) => (StatusCode::NOT_FOUND, m.clone()),
-                AppError::Conflict(m) => (StatusCode::CONFLICT, m.clone()),
+                ServiceError::Invalid(m) => (StatusCode::BAD_REQUEST, m.clone()),
+                ServiceError::NoWorkers(m) => (StatusCode::SERVICE_UNAVAILABLE, m.clone()),
+                ServiceError::NoCandidates => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                ServiceError::UnknownWorker(m)
+                | ServiceError::UnknownRank(m)
+                | ServiceError::UnknownSelection(m) => (StatusCode::NOT_FOUND, m.clone()),
+                ServiceError::AlreadyReserved(m) => (StatusCode::CONFLICT, m.clone()),
+                ServiceError::ReplicaSyncDisabled => (StatusCode::CONFLICT, e.to_string()),
             },
             HttpError::UnsupportedMediaType => (
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,

@@ -9,7 +9,7 @@
 
 pub mod error;
 
-use crate::app::{App, AppResult};
+use crate::app::{App, Selection};
 use crate::parse::SelectKind;
 use crate::pool::{Pool, Pooled};
 use bytes::Bytes;
@@ -20,6 +20,7 @@ use hyper::header::{HeaderValue, ALLOW, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
+use serde::Serialize;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
@@ -99,7 +100,7 @@ impl Server {
         resp
     }
 
-    async fn route(&self, req: Request<Incoming>) -> Result<(StatusCode, Vec<u8>), HttpError> {
+    async fn route(&self, req: Request<Incoming>) -> Routed {
         let app = &self.app;
         let path = req.uri().path().to_string();
         let query = req.uri().query().map(str::to_string);
@@ -113,89 +114,99 @@ impl Server {
             ["health"] if get => Ok((StatusCode::OK, br#"{"status":"ok"}"#.to_vec())),
             ["health"] => not_allowed(GET_HEAD),
             ["ready"] if get => {
-                let (ready, body) = app.ready();
-                let status = if ready {
+                let r = app.readiness();
+                let status = if r.ready {
                     StatusCode::OK
                 } else {
                     StatusCode::SERVICE_UNAVAILABLE
                 };
-                Ok((status, body))
+                Ok((status, to_json(&r, 1024)))
             }
             ["ready"] => not_allowed(GET_HEAD),
             ["workers"] if get => {
                 let q = Query::parse(query.as_deref());
-                reply(app.list_workers(q.get("model_name"), q.get("routing_group")))
+                ok(&app.list_workers(q.get("model_name"), q.get("routing_group")))
             }
             ["workers"] if post => {
                 let body = self.body(req).await?;
-                reply(app.upsert_worker(&body))
+                created(&app.upsert_worker(app.parser.worker_upsert(&body)?))
             }
             ["workers"] => not_allowed("GET,HEAD,POST"),
             ["workers", id] if method == Method::PATCH => {
                 let id = parse_u64(id)?;
                 let body = self.body(req).await?;
-                reply(app.patch_worker(id, &body))
+                ok(&app.patch_worker(id, app.parser.worker_patch(&body)?)?)
             }
-            ["workers", id] if method == Method::DELETE => reply(app.delete_worker(parse_u64(id)?)),
+            ["workers", id] if method == Method::DELETE => ok(&app.delete_worker(parse_u64(id)?)?),
             ["workers", _] => not_allowed("PATCH,DELETE"),
             ["select"] if post => {
                 let body = self.body(req).await?;
-                reply(app.select(&body, SelectKind::Select))
+                let kind = SelectKind::Select;
+                let sel = app.select(&app.parser.select(&body, kind)?, kind)?;
+                Ok((StatusCode::OK, selection_json(&sel)))
             }
             ["select"] => not_allowed("POST"),
             ["select_and_reserve"] if post => {
                 let body = self.body(req).await?;
-                reply(app.select(&body, SelectKind::SelectAndReserve))
+                let kind = SelectKind::SelectAndReserve;
+                let sel = app.select(&app.parser.select(&body, kind)?, kind)?;
+                Ok((StatusCode::OK, selection_json(&sel)))
             }
             ["select_and_reserve"] => not_allowed("POST"),
             ["reservations"] if post => {
                 let body = self.body(req).await?;
-                reply(app.create_reservation(&body))
+                created(&app.create_reservation(&app.parser.reservation(&body)?)?)
             }
             ["reservations"] => not_allowed("POST"),
             ["reservations", id] if !id.is_empty() => {
                 if method != Method::DELETE {
                     return not_allowed("DELETE");
                 }
-                reply(app.free_reservation(&percent_decode(id)))
+                app.free_reservation(&percent_decode(id))?;
+                status_ok()
             }
             ["reservations", id, "prefill_complete"] if !id.is_empty() => {
                 if !post {
                     return not_allowed("POST");
                 }
-                reply(app.prefill_complete(&percent_decode(id)))
+                app.prefill_complete(&percent_decode(id))?;
+                status_ok()
             }
             ["reservations", id, "output_block"] if !id.is_empty() => {
                 if !post {
                     return not_allowed("POST");
                 }
                 let body = self.body(req).await?;
-                reply(app.output_block(&percent_decode(id), &body))
+                let decay = app.parser.output_block(&body)?.decay_fraction;
+                app.output_block(&percent_decode(id), decay)?;
+                status_ok()
             }
             ["loads"] if get => {
                 let q = Query::parse(query.as_deref());
-                reply(app.loads(q.get("model_name"), q.get("routing_group")))
+                ok(&app.loads(q.get("model_name"), q.get("routing_group")))
             }
             ["loads"] => not_allowed(GET_HEAD),
             ["potential_loads"] if post => {
                 let body = self.body(req).await?;
-                reply(app.potential_loads(&body))
+                ok(&app.potential_loads(&app.parser.prompt_query(&body)?)?)
             }
             ["potential_loads"] => not_allowed("POST"),
             ["overlap_scores"] if post => {
                 let body = self.body(req).await?;
-                reply(app.overlap_scores(&body))
+                ok(&app.overlap_scores(&app.parser.prompt_query(&body)?)?)
             }
             ["overlap_scores"] => not_allowed("POST"),
-            ["dump"] if get => reply(app.dump()),
+            ["dump"] if get => Ok((StatusCode::OK, app.dump().into_bytes())),
             ["dump"] => not_allowed(GET_HEAD),
-            ["metrics"] if get => Ok((StatusCode::OK, app.metrics_text().into_bytes())),
+            ["metrics"] if get => Ok((StatusCode::OK, crate::metrics::render(app).into_bytes())),
             ["metrics"] => not_allowed(GET_HEAD),
             ["replica_sync", "peers"] if get => Ok((StatusCode::OK, b"[]".to_vec())),
             ["replica_sync", "peers"] => not_allowed(GET_HEAD),
             ["replica_sync", "register_peer" | "deregister_peer"] if post => {
                 let body = self.body(req).await?;
-                reply(app.replica_sync_peer(&body))
+                let endpoint = app.parser.peer_endpoint(&body)?;
+                app.replica_sync_peer(&endpoint)?;
+                status_ok()
             }
             ["replica_sync", "register_peer" | "deregister_peer"] => not_allowed("POST"),
             _ => Err(HttpError::RouteNotFound),
@@ -234,14 +245,45 @@ impl Server {
     }
 }
 
-fn reply(r: AppResult) -> Result<(StatusCode, Vec<u8>), HttpError> {
-    let r = r?;
-    let status = if r.created {
-        StatusCode::CREATED
-    } else {
-        StatusCode::OK
-    };
-    Ok((status, r.body))
+type Routed = Result<(StatusCode, Vec<u8>), HttpError>;
+
+/// `v` as JSON into a buffer of `capacity` bytes to start with.
+fn to_json(v: &impl Serialize, capacity: usize) -> Vec<u8> {
+    let mut body = Vec::with_capacity(capacity);
+    serde_json::to_writer(&mut body, v).expect("reply types serialise");
+    body
+}
+
+fn ok(v: &impl Serialize) -> Routed {
+    Ok((StatusCode::OK, to_json(v, 128)))
+}
+
+fn created(v: &impl Serialize) -> Routed {
+    Ok((StatusCode::CREATED, to_json(v, 128)))
+}
+
+fn status_ok() -> Routed {
+    Ok((StatusCode::OK, br#"{"status":"ok"}"#.to_vec()))
+}
+
+/// A selection's JSON. `sequence_hashes`, by far the largest field, is
+/// written last by the fast array writer into capacity reserved up front
+/// (growing a 100 KB reply by doubling copies it several times).
+fn selection_json(sel: &Selection) -> Vec<u8> {
+    let hashes = sel.sequence_hashes.as_deref();
+    let capacity = 512
+        + sel.endpoint.len()
+        + hashes.map_or(0, |h| crate::json_out::i64_array_capacity(h.len()));
+    let mut body = to_json(sel, capacity);
+    if let Some(h) = hashes {
+        // The object's closing brace comes off and goes back after it.
+        debug_assert_eq!(body.last(), Some(&b'}'));
+        body.pop();
+        body.extend_from_slice(br#","sequence_hashes":"#);
+        crate::json_out::push_i64_array(&mut body, h);
+        body.push(b'}');
+    }
+    body
 }
 
 fn json(status: StatusCode, body: Vec<u8>) -> Resp {

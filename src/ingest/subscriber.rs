@@ -358,7 +358,7 @@ struct Worker {
     tx: Sender<Cmd>,
     /// PUSH side of the thread's inproc doorbell.
     doorbell: Mutex<zmq::Socket>,
-    join: Option<JoinHandle<()>>,
+    join: Mutex<Option<JoinHandle<()>>>,
 }
 
 /// A running listener as the hub's registry knows it.
@@ -428,7 +428,7 @@ impl IngestHub {
             threads.push(Worker {
                 tx,
                 doorbell: Mutex::new(push),
-                join: Some(join),
+                join: Mutex::new(Some(join)),
             });
         }
         IngestHub {
@@ -562,17 +562,26 @@ impl IngestHub {
     }
 }
 
-impl Drop for IngestHub {
-    fn drop(&mut self) {
+impl IngestHub {
+    /// Stops every ingest thread and waits for them: their sockets and ZMQ
+    /// contexts close, and no event is applied afterwards. Idempotent; the
+    /// hub is inert after it (dropping it also shuts it down).
+    pub fn shutdown(&self) {
         for w in &self.threads {
             let _ = w.tx.send(Cmd::Shutdown);
             ring(&w.doorbell);
         }
-        for w in &mut self.threads {
-            if let Some(j) = w.join.take() {
+        for w in &self.threads {
+            if let Some(j) = lock(&w.join).take() {
                 let _ = j.join();
             }
         }
+    }
+}
+
+impl Drop for IngestHub {
+    fn drop(&mut self) {
+        self.shutdown();
     }
 }
 

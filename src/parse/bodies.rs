@@ -295,21 +295,7 @@ impl Parser {
             }
             Ok(())
         })?;
-        let bad = |v: Option<f64>| v.is_some_and(|v| !v.is_finite() || v < 0.0);
-        let msg = if bad(o.overlap_score_credit) {
-            Some("overlap_score_credit must be a finite, non-negative number")
-        } else if bad(o.prefill_load_scale) || bad(o.overlap_score_weight) {
-            Some("prefill_load_scale must be finite and non-negative")
-        } else if bad(o.router_temperature) {
-            Some("router_temperature must be finite and non-negative")
-        } else if o
-            .shared_cache_multiplier
-            .is_some_and(|v| !(0.0..=1.0).contains(&v))
-        {
-            Some("shared_cache_multiplier must be between 0 and 1")
-        } else {
-            None
-        };
+        let msg = o.check().err();
         match msg {
             Some(m) => Err(cur.shape(cur.i, m.to_string())),
             None => Ok(Some(o)),

@@ -55,6 +55,29 @@ pub struct RouterConfigOverride {
     pub shared_cache_multiplier: Option<f64>,
 }
 
+impl RouterConfigOverride {
+    /// The value rules of §7.5; the message names the first field that
+    /// breaks one. Every reader of an override (the JSON visitor, the Python
+    /// binding) applies them as a shape error.
+    pub fn check(&self) -> Result<(), &'static str> {
+        let bad = |v: Option<f64>| v.is_some_and(|v| !v.is_finite() || v < 0.0);
+        if bad(self.overlap_score_credit) {
+            Err("overlap_score_credit must be a finite, non-negative number")
+        } else if bad(self.prefill_load_scale) || bad(self.overlap_score_weight) {
+            Err("prefill_load_scale must be finite and non-negative")
+        } else if bad(self.router_temperature) {
+            Err("router_temperature must be finite and non-negative")
+        } else if self
+            .shared_cache_multiplier
+            .is_some_and(|v| !(0.0..=1.0).contains(&v))
+        {
+            Err("shared_cache_multiplier must be between 0 and 1")
+        } else {
+            Ok(())
+        }
+    }
+}
+
 /// `{worker_id, dp_rank}` with both fields required (`pinned_worker`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PinnedWorker {

@@ -98,6 +98,18 @@ pub fn cost(c: &CandidateLoad, cfg: &RouterConfig, ctx: &CostContext) -> f64 {
         + cfg.decode_active_request_weight * c.active_requests as f64
 }
 
+/// The factor a candidate's cost is scaled by for the request's preferred
+/// taints: `exp(-tanh(w))`, with `w` the sum of the weights of the preferred
+/// taints the candidate carries (1.0 when it carries none).
+pub fn preferred_taint_factor<S: AsRef<str>>(preferred: &[(S, f32)], taints: &[String]) -> f64 {
+    let w: f64 = preferred
+        .iter()
+        .filter(|(t, _)| taints.iter().any(|have| have == t.as_ref()))
+        .map(|(_, w)| *w as f64)
+        .sum();
+    (-w.tanh()).exp()
+}
+
 /// Picks an index into `costs` (non-empty). Temperature 0: the minimum, exact
 /// ties broken uniformly at random. Temperature T > 0: sampled with weight
 /// `exp(-(cost - min) / ((max - min) * T))`; all-equal costs are uniform.
@@ -147,6 +159,18 @@ mod tests {
             track_prefill_tokens: true,
             min_active_prefill_tokens: 0,
         }
+    }
+
+    #[test]
+    fn preferred_taints_scale_by_exp_minus_tanh_of_the_matching_weights() {
+        let taints = vec!["a".to_string(), "b".to_string()];
+        let none: [(&str, f32); 0] = [];
+        assert_eq!(preferred_taint_factor(&none, &taints), 1.0);
+        assert_eq!(preferred_taint_factor(&[("c", 2.0)], &taints), 1.0);
+        let both = preferred_taint_factor(&[("a", 0.5), ("b", 0.25), ("c", 9.0)], &taints);
+        assert!((both - (-(0.75f64).tanh()).exp()).abs() < 1e-12);
+        // A negative weight penalises.
+        assert!(preferred_taint_factor(&[("a", -1.0)], &taints) > 1.0);
     }
 
     fn load(device: u32, host_ext: u32, disk_ext: u32) -> CandidateLoad {

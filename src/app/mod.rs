@@ -1,0 +1,211 @@
+//! The selection service's behaviour, one method per route, independent of
+//! any transport: typed request views in, typed replies (all `Serialize`) or
+//! a [`ServiceError`] out. The HTTP front door (`http`) and the embedded
+//! Python selector (the `python/` crate) both drive this one engine; neither
+//! re-implements a rule.
+//!
+//! | file | owns |
+//! |---|---|
+//! | `mod.rs` | [`App`]: construction, readiness, the worker catalog routes, the sweep |
+//! | `prompt.rs` | the prompt group (§4.7): tokens or given hashes -> index keys and booking identities, hashed once |
+//! | `selection.rs` | /select and /select_and_reserve: candidates, one index walk, loads, the choice, the booking |
+//! | `reservations.rs` | /reservations (replay and explicit forms) and the lifecycle calls |
+//! | `reports.rs` | /loads, /potential_loads, /overlap_scores, /dump |
+//!
+//! The request path is parse -> normalise the prompt (hash once) -> resolve
+//! the partition and candidates -> one index walk -> loads -> cost -> choice
+//! -> (book) -> reply. The public sequence-hash chain of the prompt serves
+//! both as the index lookup keys and, in the default tracking mode, as the
+//! booking identities, so a token prompt is hashed exactly once.
+
+mod prompt;
+mod reports;
+mod reservations;
+mod selection;
+
+pub use reports::{LoadRow, OverlapRow, OverlapScores, PartitionLoads, SharedCache};
+pub use reservations::Reservation;
+pub use selection::{OverlapOut, Selection, WorkerLoad};
+
+use crate::catalog::{partition_display, Catalog, Snapshot, WorkerRecord};
+use crate::config::Config;
+use crate::ingest::{IngestConfig, IngestHub};
+use crate::parse::{ParseError, ParseLimits, Parser, WorkerFields};
+use crate::pool::Pool;
+use crate::reserve::{Ledger, PendingCache};
+use serde::Serialize;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Why a request failed, in domain terms. The HTTP layer
+/// (`http::error`) and the Python binding each choose their status or
+/// exception for it in one exhaustive match.
+#[derive(Debug)]
+pub enum ServiceError {
+    /// The body (or dict) is not valid JSON, or not the expected shape.
+    Parse(ParseError),
+    /// The request is well formed but breaks a rule (a length mismatch, a
+    /// value out of range, a field required in this form).
+    Invalid(String),
+    /// No schedulable worker at all, or none in the request's partition.
+    NoWorkers(String),
+    /// Schedulable workers exist, but the request's filters left none.
+    NoCandidates,
+    /// The request names a worker (or worker rank) that is not there.
+    UnknownWorker(String),
+    /// The request names a worker that exists but not with that DP rank.
+    UnknownRank(String),
+    /// The request names a reservation or pending selection that is not there.
+    UnknownSelection(String),
+    /// The selection id is already booked, or being booked.
+    AlreadyReserved(String),
+    /// A replica-sync call on a service that runs no replica mesh.
+    ReplicaSyncDisabled,
+}
+
+impl From<ParseError> for ServiceError {
+    fn from(e: ParseError) -> Self {
+        ServiceError::Parse(e)
+    }
+}
+
+impl std::fmt::Display for ServiceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ServiceError::Parse(e) => write!(f, "{e}"),
+            ServiceError::Invalid(m)
+            | ServiceError::NoWorkers(m)
+            | ServiceError::UnknownWorker(m)
+            | ServiceError::UnknownRank(m)
+            | ServiceError::UnknownSelection(m)
+            | ServiceError::AlreadyReserved(m) => f.write_str(m),
+            ServiceError::NoCandidates => f.write_str("no endpoints available to route work"),
+            ServiceError::ReplicaSyncDisabled => f.write_str("replica sync is disabled"),
+        }
+    }
+}
+
+impl std::error::Error for ServiceError {}
+
+pub type ServiceResult<T> = Result<T, ServiceError>;
+
+/// GET /ready: readiness and the catalog.
+#[derive(Debug, Serialize)]
+pub struct Readiness {
+    pub ready: bool,
+    pub schedulable_workers: usize,
+    pub workers: Vec<WorkerRecord>,
+}
+
+pub struct App {
+    pub config: Config,
+    pub parser: Parser,
+    pub catalog: Catalog,
+    pub ledger: Arc<Ledger>,
+    pub pending: PendingCache,
+    shutting_down: AtomicBool,
+}
+
+impl App {
+    pub fn new(config: Config) -> App {
+        let ledger = Arc::new(Ledger::new(config.booking_expiry));
+        let hub = IngestHub::new(IngestConfig {
+            threads: config.ingest_threads,
+            ..IngestConfig::default()
+        });
+        let parser = Parser::new(
+            ParseLimits {
+                max_depth: config.max_depth,
+                max_tokens: config.max_tokens,
+            },
+            Pool::new(
+                4 * config.threads + 4,
+                crate::pool::DEFAULT_MAX_CAPACITY * 4,
+            ),
+            Pool::new(16 * config.threads + 16, crate::pool::DEFAULT_MAX_CAPACITY),
+        );
+        App {
+            pending: PendingCache::new(
+                config.selection_cache_ttl,
+                config.selection_cache_max_entries,
+                config.selection_cache_max_bytes,
+            ),
+            catalog: Catalog::new(hub, Arc::clone(&ledger)),
+            ledger,
+            parser,
+            config,
+            shutting_down: AtomicBool::new(false),
+        }
+    }
+
+    /// From now on the service reports itself not ready.
+    pub fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    // ----- health and catalog -----
+
+    pub fn readiness(&self) -> Readiness {
+        let snap = self.catalog.snapshot();
+        Readiness {
+            ready: !self.is_shutting_down() && snap.schedulable_workers > 0,
+            schedulable_workers: snap.schedulable_workers,
+            workers: self.catalog.list(None, None),
+        }
+    }
+
+    pub fn upsert_worker(&self, fields: WorkerFields) -> WorkerRecord {
+        self.catalog.upsert(fields)
+    }
+
+    pub fn patch_worker(
+        &self,
+        worker_id: u64,
+        fields: WorkerFields,
+    ) -> ServiceResult<WorkerRecord> {
+        self.catalog
+            .patch(worker_id, fields)
+            .ok_or_else(|| worker_not_found(worker_id))
+    }
+
+    pub fn delete_worker(&self, worker_id: u64) -> ServiceResult<WorkerRecord> {
+        self.catalog
+            .delete(worker_id)
+            .ok_or_else(|| worker_not_found(worker_id))
+    }
+
+    pub fn list_workers(&self, model: Option<&str>, group: Option<&str>) -> Vec<WorkerRecord> {
+        self.catalog.list(model, group)
+    }
+
+    /// /replica_sync/register_peer and deregister_peer: kvselect runs no
+    /// replica mesh, so every peer change is refused.
+    pub fn replica_sync_peer(&self, _endpoint: &str) -> ServiceResult<()> {
+        Err(ServiceError::ReplicaSyncDisabled)
+    }
+
+    /// Drops bookings older than the expiry; the server calls it periodically.
+    pub fn sweep(&self) -> usize {
+        self.ledger.sweep_expired(Instant::now())
+    }
+}
+
+fn worker_not_found(worker_id: u64) -> ServiceError {
+    ServiceError::UnknownWorker(format!("worker {worker_id} not found"))
+}
+
+fn no_schedulable(snap: &Snapshot, model: &str, group: &str) -> ServiceError {
+    if snap.schedulable_workers == 0 {
+        ServiceError::NoWorkers("no schedulable workers are available".into())
+    } else {
+        ServiceError::NoWorkers(format!(
+            "no schedulable workers for {}",
+            partition_display(model, group)
+        ))
+    }
+}

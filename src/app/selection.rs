@@ -1,0 +1,314 @@
+//! /select and /select_and_reserve (§4.8, §4.9): filter the candidates, walk
+//! the index once, read the loads, cost every candidate (`select`), choose,
+//! then remember the choice (a pending selection) or book it.
+
+use super::prompt::{random_identities, Normalized, Target};
+use super::{App, ServiceError};
+use crate::catalog::{PartitionView, RankInfo};
+use crate::config::{RouterConfig, DEFAULT_PREFILL_TOKEN_CAPACITY};
+use crate::index::{Overlap, WorkerRank};
+use crate::parse::{SelectKind, SelectRequest};
+use crate::pool::Pooled;
+use crate::reserve::{Booking, PendingKey, PendingSelection, RankLoad};
+use crate::select::{self, CandidateLoad, CostContext};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+/// The reply of /select and /select_and_reserve. `sequence_hashes` is not
+/// serialised with the rest: the HTTP layer appends it with the fast array
+/// writer (it is the largest field by far), the Python binding adds it as a
+/// list.
+#[derive(Debug, Serialize)]
+pub struct Selection {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub selection_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub isl_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub track_prefill_tokens: Option<bool>,
+    pub model_name: String,
+    pub routing_group: String,
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub endpoint: String,
+    pub block_size: u32,
+    pub overlap: OverlapOut,
+    pub effective_prefill_tokens: u64,
+    pub potential_decode_blocks: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_load: Option<WorkerLoad>,
+    /// The booked identities of the prompt's full blocks (reserving routes
+    /// only): u64 in memory, i64 on the wire.
+    #[serde(skip)]
+    pub sequence_hashes: Option<Pooled<u64>>,
+}
+
+/// Matched prefix lengths in tokens, per tier and per DP rank of the chosen
+/// worker.
+#[derive(Debug, Serialize)]
+pub struct OverlapOut {
+    pub longest_matched: u64,
+    pub gpu: u64,
+    /// Keyed by the rank written as a string, as JSON has it (and as
+    /// Dynamo's embedded selector returns it).
+    #[serde(serialize_with = "rank_keys_as_strings")]
+    pub dp: BTreeMap<u32, u64>,
+    pub cpu: u64,
+    pub disk: u64,
+}
+
+fn rank_keys_as_strings<S: serde::Serializer>(
+    dp: &BTreeMap<u32, u64>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.collect_map(dp.iter().map(|(k, v)| (k.to_string(), v)))
+}
+
+/// The chosen rank's load, for `advisory` selects.
+#[derive(Debug, Serialize)]
+pub struct WorkerLoad {
+    pub active_prefill_tokens: u64,
+    pub prefill_token_capacity: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub total_kv_blocks: Option<u64>,
+}
+
+struct Choice {
+    wr: WorkerRank,
+    rank: RankInfo,
+    load: CandidateLoad,
+    effective_prefill_tokens: u64,
+    /// Every rank's overlap, sorted by rank.
+    hits: Vec<(WorkerRank, Overlap)>,
+}
+
+impl App {
+    pub fn select(
+        &self,
+        req: &SelectRequest<'_>,
+        kind: SelectKind,
+    ) -> Result<Selection, ServiceError> {
+        let Target {
+            model,
+            group,
+            view,
+            cfg,
+        } = self.target(
+            req.model_name.as_ref(),
+            req.routing_group.as_ref(),
+            req.router_config_override.as_ref(),
+        )?;
+        let prompt = self.normalize(&req.prompt, &view, &cfg, true)?;
+        let choice = self.choose(req, &view, &cfg, &prompt)?;
+        let bs = view.partition.block_size;
+
+        let mut identities = prompt.identities;
+        let prompt_blocks = identities.len();
+        let reserved = kind == SelectKind::SelectAndReserve;
+        let selection_id: Option<String> = match req.selection_id.as_deref() {
+            Some(id) => Some(id.to_string()),
+            None if reserved => Some(uuid::Uuid::new_v4().to_string()),
+            None => None,
+        };
+        let track = cfg.track_prefill_tokens;
+        if cfg.track_output_blocks {
+            if let Some(eot) = req.expected_output_tokens {
+                // Reserve the expected output as synthetic decode blocks.
+                let n = (eot as u64).div_ceil(bs as u64) as usize;
+                random_identities(n, &mut identities);
+            }
+        }
+        if reserved {
+            let id = selection_id.as_deref().unwrap_or_default();
+            self.ledger
+                .book(Booking {
+                    selection_id: id,
+                    wr: choice.wr,
+                    identities: &identities,
+                    form: prompt.form,
+                    prefill_tokens: if track {
+                        choice.effective_prefill_tokens
+                    } else {
+                        0
+                    },
+                    now: Instant::now(),
+                })
+                .map_err(|e| super::reservations::reserve_error(e, id))?;
+        } else if let Some(id) = &selection_id {
+            self.pending.insert(
+                PendingKey {
+                    model_name: model.clone(),
+                    routing_group: group.clone(),
+                    selection_id: id.clone(),
+                },
+                PendingSelection {
+                    wr: choice.wr,
+                    identities: identities.to_vec(),
+                    identity_form: prompt.form,
+                    isl_tokens: prompt.isl_tokens,
+                    effective_prefill_tokens: choice.effective_prefill_tokens,
+                    expected_output_tokens: req.expected_output_tokens,
+                    track_prefill_tokens: track,
+                    lora_name: req.prompt.lora_name.as_deref().map(str::to_string),
+                },
+                Instant::now(),
+            );
+        }
+
+        let ranks = view.worker_ranks(choice.wr.worker_id);
+        let overlap = overlap_of_worker(ranks, &choice.hits, bs);
+        let partial = prompt
+            .isl_tokens
+            .div_ceil(bs as u64)
+            .saturating_sub(prompt_blocks as u64);
+        let potential_decode_blocks =
+            choice.load.active_decode_blocks + choice.load.new_blocks + partial;
+        let worker_load = (req.advisory == Some(true)).then(|| WorkerLoad {
+            active_prefill_tokens: choice.load.active_prefill_tokens,
+            prefill_token_capacity: choice
+                .rank
+                .max_num_batched_tokens
+                .unwrap_or(DEFAULT_PREFILL_TOKEN_CAPACITY),
+            total_kv_blocks: choice.rank.total_kv_blocks,
+        });
+        let sequence_hashes = reserved.then(|| {
+            identities.truncate(prompt_blocks);
+            identities
+        });
+        Ok(Selection {
+            selection_id,
+            isl_tokens: reserved.then_some(prompt.isl_tokens),
+            track_prefill_tokens: reserved.then_some(track),
+            model_name: model,
+            routing_group: group,
+            worker_id: choice.wr.worker_id,
+            dp_rank: choice.wr.dp_rank,
+            endpoint: choice.rank.endpoint.to_string(),
+            block_size: bs,
+            overlap,
+            effective_prefill_tokens: choice.effective_prefill_tokens,
+            potential_decode_blocks,
+            worker_load,
+            sequence_hashes,
+        })
+    }
+
+    fn choose(
+        &self,
+        req: &SelectRequest<'_>,
+        view: &PartitionView,
+        cfg: &RouterConfig,
+        prompt: &Normalized,
+    ) -> Result<Choice, ServiceError> {
+        let constraints = req.routing_constraints.as_ref();
+        let candidates: Vec<&RankInfo> = view
+            .ranks
+            .iter()
+            .filter(|r| {
+                req.allowed_worker_ids
+                    .as_ref()
+                    .is_none_or(|ids| ids.contains(&r.wr.worker_id))
+            })
+            .filter(|r| {
+                req.pinned_worker
+                    .is_none_or(|p| p.worker_id == r.wr.worker_id && p.dp_rank == r.wr.dp_rank)
+            })
+            .filter(|r| {
+                constraints.is_none_or(|c| {
+                    c.required_taints
+                        .iter()
+                        .all(|t| r.taints.iter().any(|have| have == t.as_ref()))
+                })
+            })
+            .collect();
+        if candidates.is_empty() {
+            return Err(ServiceError::NoCandidates);
+        }
+        let mut hits = Vec::new();
+        view.partition.index.overlap(&prompt.seq_keys, &mut hits);
+        hits.sort_unstable_by_key(|(wr, _)| *wr);
+        let wrs: Vec<WorkerRank> = candidates.iter().map(|r| r.wr).collect();
+        let mut loads = Vec::with_capacity(wrs.len());
+        self.ledger.loads(&wrs, &mut loads);
+        let mut new_blocks = Vec::with_capacity(wrs.len());
+        self.ledger
+            .new_blocks(&wrs, &prompt.identities, prompt.form, &mut new_blocks);
+        let cands: Vec<CandidateLoad> = wrs
+            .iter()
+            .zip(loads.iter().zip(&new_blocks))
+            .map(
+                |(wr, (l, &nb)): (&WorkerRank, (&RankLoad, &u64))| CandidateLoad {
+                    overlap: overlap_in(&hits, *wr),
+                    active_prefill_tokens: l.prefill_tokens,
+                    active_decode_blocks: l.decode_blocks,
+                    active_requests: l.active_requests,
+                    new_blocks: nb,
+                },
+            )
+            .collect();
+        let ctx = CostContext {
+            isl_tokens: prompt.isl_tokens,
+            block_size: view.partition.block_size,
+            track_prefill_tokens: cfg.track_prefill_tokens,
+            min_active_prefill_tokens: cands
+                .iter()
+                .map(|c| c.active_prefill_tokens)
+                .min()
+                .unwrap_or(0),
+        };
+        let preferred = constraints
+            .map(|c| &c.preferred_taints[..])
+            .unwrap_or_default();
+        let costs: Vec<f64> = cands
+            .iter()
+            .zip(&candidates)
+            .map(|(c, r)| {
+                let cost = select::cost(c, cfg, &ctx);
+                if preferred.is_empty() {
+                    cost
+                } else {
+                    cost * select::preferred_taint_factor(preferred, &r.taints)
+                }
+            })
+            .collect();
+        let i = select::choose(&costs, cfg.router_temperature, &mut rand::rng());
+        let load = cands[i];
+        Ok(Choice {
+            wr: wrs[i],
+            rank: candidates[i].clone(),
+            load,
+            effective_prefill_tokens: select::effective_prefill_tokens(&load.overlap, cfg, &ctx),
+            hits,
+        })
+    }
+}
+
+/// The chosen worker's matched prefix over all its ranks, in tokens: the
+/// longest per tier, and the device match of every rank.
+fn overlap_of_worker(ranks: &[RankInfo], hits: &[(WorkerRank, Overlap)], bs: u32) -> OverlapOut {
+    let tokens = |blocks: u32| blocks as u64 * bs as u64;
+    let (mut gpu, mut cpu, mut disk) = (0, 0, 0);
+    let mut dp = BTreeMap::new();
+    for r in ranks {
+        let o = overlap_in(hits, r.wr);
+        gpu = gpu.max(tokens(o.device));
+        cpu = cpu.max(tokens(o.device + o.host_ext));
+        disk = disk.max(tokens(o.device + o.host_ext + o.disk_ext));
+        dp.insert(r.wr.dp_rank, tokens(o.device));
+    }
+    OverlapOut {
+        longest_matched: gpu.max(cpu).max(disk),
+        gpu,
+        dp,
+        cpu,
+        disk,
+    }
+}
+
+/// The overlap of `wr` in hits sorted by rank (zero when it matched nothing).
+pub(super) fn overlap_in(hits: &[(WorkerRank, Overlap)], wr: WorkerRank) -> Overlap {
+    hits.binary_search_by_key(&wr, |(w, _)| *w)
+        .map(|i| hits[i].1)
+        .unwrap_or_default()
+}
