@@ -330,3 +330,40 @@ async def test_partitions(impl):
         assert load_row(svc, 2, model_name="m2")["active_requests"] == 1
         assert load_row(svc, 1)["active_requests"] == 0
         assert [(p["model_name"], p["routing_group"]) for p in svc.loads()] == [("default", "default"), ("m2", "g")]
+
+
+DYNAMO_KWARGS = {
+    "indexer_threads": 4,
+    "indexer_peers": None,
+    "replica_sync_port": None,
+    "replica_sync_peers": None,
+    "selection_cache": None,
+    "session_affinity_ttl_secs": None,
+}
+
+
+def test_constructor_signature(impl):
+    """Dynamo's class has an introspectable signature (``__text_signature__``):
+    six keyword-only parameters. kvselect keeps them with the same defaults
+    and may add options only as keyword-only parameters with defaults."""
+    sig = inspect.signature(impl.SelectionService)
+    params = sig.parameters
+    for name, default in DYNAMO_KWARGS.items():
+        assert name in params, name
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert params[name].default == default, (name, params[name].default)
+    extra = {}
+    for name, p in params.items():
+        if name in DYNAMO_KWARGS or p.kind is inspect.Parameter.VAR_KEYWORD:
+            continue
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert p.default is not inspect.Parameter.empty, name
+        extra[name] = p.default
+    if impl.name == "dynamo":
+        assert extra == {}
+    # every option passed explicitly at its default builds the same service
+    svc = impl.SelectionService(**DYNAMO_KWARGS, **extra)
+    try:
+        assert svc.ready() == {"ready": False, "schedulable_workers": 0, "workers": []}
+    finally:
+        svc.shutdown()
