@@ -367,3 +367,45 @@ def test_constructor_signature(impl):
         assert svc.ready() == {"ready": False, "schedulable_workers": 0, "workers": []}
     finally:
         svc.shutdown()
+
+
+METHOD_SIGNATURES = {
+    # as Dynamo 1.6.1's __text_signature__ gives them (self omitted)
+    "upsert_worker": "(worker)",
+    "delete_worker": "(worker_id)",
+    "overlap_scores": "(request)",
+    "select": "(request)",
+    "select_and_reserve": "(request)",
+    "create_reservation": "(request)",
+    "prefill_complete": "(selection_id)",
+    "free_reservation": "(selection_id)",
+    "potential_loads": "(request)",
+    "list_workers": "(*, model_name=None, routing_group=None)",
+    "ready": "()",
+    "loads": "(*, model_name=None, routing_group=None)",
+    "add_output_block": "(selection_id, *, decay_fraction=None)",
+    "shutdown": "()",
+}
+
+
+def test_method_and_cache_config_signatures(impl):
+    assert str(inspect.signature(impl.SelectionCacheConfig)) == "(*, ttl_secs=None, max_entries=None, max_bytes=None)"
+    svc = impl.SelectionService(indexer_threads=1)
+    try:
+        for name, want in METHOD_SIGNATURES.items():
+            assert str(inspect.signature(getattr(svc, name))) == want, name
+    finally:
+        svc.shutdown()
+
+
+@async_test
+async def test_keyword_arguments_by_name(impl):
+    async with service(impl) as svc:
+        await svc.upsert_worker(worker=worker(1))
+        await wait_loaded(svc, 1)
+        await svc.select_and_reserve(request={"token_ids": TOKENS, "selection_id": "k"})
+        await svc.prefill_complete(selection_id="k")
+        svc.add_output_block(selection_id="k", decay_fraction=None)
+        await svc.free_reservation(selection_id="k")
+        rec = await svc.delete_worker(worker_id=1)
+        assert rec["worker_id"] == 1
