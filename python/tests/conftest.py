@@ -47,10 +47,14 @@ SEQ_1_64 = [
 
 
 def _load_impl() -> types.SimpleNamespace:
-    if IMPL == "dynamo":
-        mod = importlib.import_module("dynamo._core")
-    else:
-        mod = importlib.import_module("kvselect")
+    name = "dynamo._core" if IMPL == "dynamo" else "kvselect"
+    try:
+        mod = importlib.import_module(name)
+    except ImportError as e:
+        hint = ("install ai-dynamo-runtime==1.6.1" if IMPL == "dynamo" else
+                "build it with `pip install ./python` (or `maturin develop` in python/) and run "
+                "pytest from the repository root")
+        raise RuntimeError(f"KVSELECT_TEST_IMPL={IMPL}: cannot import {name}: {e}; {hint}") from e
     return types.SimpleNamespace(
         name=IMPL,
         module=mod,

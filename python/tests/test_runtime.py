@@ -71,8 +71,13 @@ def _big_tokens(n):
 
 @async_test
 async def test_gil_released_during_large_select(impl):
-    """A second Python thread keeps counting while a ~1M-token
-    select_and_reserve runs in the event-loop thread."""
+    """A second Python thread keeps counting while ~1M-token
+    select_and_reserve calls run in the event-loop thread.
+
+    The calls are repeated back to back until at least 150 ms have passed,
+    so that thread wake-up latency and CPU contention on a loaded machine do
+    not decide the outcome; an implementation that holds the GIL while it
+    works leaves the counter (almost) still, whatever the window."""
     big = _big_tokens(1_000_000)
     async with service(impl, indexer_threads=1) as svc:
         for w in (1, 2, 3, 4):
@@ -89,26 +94,33 @@ async def test_gil_released_during_large_select(impl):
 
         th = threading.Thread(target=spin, daemon=True)
         th.start()
+        ratios = []
+        ids = []
         try:
             await asyncio.sleep(0.05)
-            ratios = []
-            for i in range(3):
+            for attempt in range(2):
                 c0, t0 = counter[0], time.perf_counter()
-                await asyncio.sleep(0.1)  # the counter's free-running rate
+                await asyncio.sleep(0.15)  # the counter's free-running rate
                 base = (counter[0] - c0) / (time.perf_counter() - t0)
                 c0, t0 = counter[0], time.perf_counter()
-                r = await svc.select_and_reserve({"token_ids": big, "selection_id": f"big{i}"})
+                calls = 0
+                while calls < 60 and (calls == 0 or time.perf_counter() - t0 < 0.15):
+                    sid = f"big{attempt}-{calls}"
+                    r = await svc.select_and_reserve({"token_ids": big, "selection_id": sid})
+                    assert r["isl_tokens"] == 1_000_000
+                    ids.append(sid)
+                    calls += 1
                 dt = time.perf_counter() - t0
-                advanced = counter[0] - c0
-                assert r["isl_tokens"] == 1_000_000
-                ratios.append(advanced / max(base * dt, 1.0))
+                ratios.append((counter[0] - c0) / max(base * dt, 1.0))
         finally:
             stop.set()
             th.join()
+        for sid in ids:
+            await svc.free_reservation(sid)
         best = max(ratios)
-        if best < 0.5 and impl.name == "dynamo":
+        if best < 0.4 and impl.name == "dynamo":
             pytest.skip(f"Dynamo holds the GIL during the call (counter ran at {best:.2f} of its free rate)")
-        assert best >= 0.5, f"counter ran at only {[round(r, 2) for r in ratios]} of its free rate during the call"
+        assert best >= 0.4, f"counter ran at only {[round(r, 2) for r in ratios]} of its free rate during the calls"
 
 
 @async_test
