@@ -186,13 +186,10 @@ class NullSelector:
     async def upsert_worker(self, w):
         return w
 
-    # Each call yields to the loop once, as awaiting a real future does.
-
     def loads(self):
         return []
 
     async def select_and_reserve(self, req):
-        await asyncio.sleep(0)
         tokens = req["token_ids"]
         n = len(tokens) if not isinstance(tokens, (bytes, memoryview)) else len(tokens) // 4
         wid = 1 + int(req["selection_id"][1:].split("g", 1)[0]) % self.workers  # sticky per session
@@ -200,7 +197,6 @@ class NullSelector:
                 "overlap": {"longest_matched": 0}}
 
     async def free_reservation(self, sid):
-        await asyncio.sleep(0)
         return ()
 
     def shutdown(self):
@@ -274,18 +270,30 @@ class Workload:
 
 
 class Stats:
-    def __init__(self):
-        self.lat: List[float] = []
-        self.calls = 0
-        self.errors = 0
-        self.first_error: Optional[str] = None
-        self.isl = 0
-        self.matched = 0
+    """Per-call records of one mode; summarised over the window actually
+    measured (the CPU snapshots' times)."""
 
-    def error(self, e: BaseException) -> None:
-        self.errors += 1
-        if self.first_error is None:
-            self.first_error = f"{type(e).__name__}: {e}"
+    def __init__(self):
+        self.ok: List[tuple] = []  # (t0, t1, isl_tokens, longest_matched)
+        self.err: List[tuple] = []  # (t0, message)
+
+    def call(self, t0: float, t1: float, isl: int, matched: int) -> None:
+        self.ok.append((t0, t1, isl, matched))
+
+    def error(self, t0: float, e: BaseException) -> None:
+        self.err.append((t0, f"{type(e).__name__}: {e}"))
+
+    def summary(self, w0: float, w1: float) -> Dict[str, Any]:
+        calls = [c for c in self.ok if c[0] >= w0 and c[1] <= w1]
+        errs = [e for e in self.err if w0 <= e[0] < w1]
+        return {
+            "calls": len(calls),
+            "lat": sorted(c[1] - c[0] for c in calls),
+            "isl": sum(c[2] for c in calls),
+            "matched": sum(c[3] for c in calls),
+            "errors": len(errs),
+            "first_error": errs[0][1] if errs else None,
+        }
 
 
 class Runner:
@@ -293,26 +301,26 @@ class Runner:
         self.a, self.svc, self.mocker, self.wl = a, svc, mocker, wl
         self.outstanding = set()
 
-    async def turn(self, s: Session, stats: Optional[Stats], window, decode_s: float) -> None:
+    async def turn(self, s: Session, stats: Optional[Stats], decode_s: float, tick=None) -> None:
         tokens, view = self.wl.prompt(s)
         sid = f"s{s.sid}g{s.gen}t{s.turn}"
+        if tick is not None:
+            tick()
         t0 = time.perf_counter()
         try:
             r = await self.svc.select_and_reserve({"token_ids": tokens, "selection_id": sid})
         except Exception as e:  # counted, then the session moves on
-            t1 = time.perf_counter()
-            if stats is not None and window[0] <= t0 < window[1]:
-                stats.error(e)
+            if stats is not None:
+                stats.error(t0, e)
             await asyncio.sleep(0.02)
             self.wl.advance(s)
             return
         t1 = time.perf_counter()
         self.outstanding.add(sid)
-        if stats is not None and window[0] <= t0 and t1 <= window[1]:
-            stats.lat.append(t1 - t0)
-            stats.calls += 1
-            stats.isl += r["isl_tokens"]
-            stats.matched += r["overlap"]["longest_matched"]
+        if stats is not None:
+            stats.call(t0, t1, r["isl_tokens"], r["overlap"]["longest_matched"])
+        if tick is not None:
+            tick()
         self.mocker.serve(r["worker_id"], view)
         self.wl.advance(s)  # the prompt object is not used after this point
         if decode_s > 0:
@@ -320,8 +328,8 @@ class Runner:
         try:
             await self.svc.free_reservation(sid)
         except Exception as e:
-            if stats is not None and window[0] <= t0 < window[1]:
-                stats.error(e)
+            if stats is not None:
+                stats.error(t0, e)
         self.outstanding.discard(sid)
 
     async def prime(self) -> float:
@@ -331,7 +339,7 @@ class Runner:
 
         async def one(s):
             async with sem:
-                await self.turn(s, None, (0, 0), 0.0)
+                await self.turn(s, None, 0.0)
 
         await asyncio.gather(*(one(s) for s in self.wl.sessions))
         return time.perf_counter() - t
@@ -342,14 +350,23 @@ class Runner:
         loop_start = time.perf_counter()
         w0 = loop_start + a.warmup
         w1 = w0 + a.duration
-        window = (w0, w1)
         snap: Dict[str, Any] = {}
 
-        async def snapshot(key, at):
-            await asyncio.sleep(max(0.0, at - time.perf_counter()))
-            snap[key] = (time.perf_counter(), cpu_seconds(), self.mocker.cpu(), machine_busy())
+        def tick():
+            """Take the window's start/end snapshot once its time has come.
+            Called around every call and by two timers, so the snapshots are
+            taken on time even if the selector never yields to the loop."""
+            now = time.perf_counter()
+            if "start" not in snap and now >= w0:
+                snap["start"] = (time.perf_counter(), cpu_seconds(), self.mocker.cpu(), machine_busy())
+            if "end" not in snap and now >= w1:
+                snap["end"] = (time.perf_counter(), cpu_seconds(), self.mocker.cpu(), machine_busy())
 
-        snappers = [asyncio.ensure_future(snapshot("start", w0)), asyncio.ensure_future(snapshot("end", w1))]
+        async def timer(at):
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            tick()
+
+        snappers = [asyncio.ensure_future(timer(w0)), asyncio.ensure_future(timer(w1))]
         sessions = list(self.wl.sessions)
         if mode == "paced":
             every = 1.0 / a.rate
@@ -360,12 +377,13 @@ class Runner:
 
             async def run_one(s):
                 try:
-                    await self.turn(s, stats, window, a.decode_s)
+                    await self.turn(s, stats, a.decode_s, tick)
                 finally:
                     idle.put_nowait(s)
 
             nxt = loop_start
             while True:
+                tick()
                 now = time.perf_counter()
                 if now >= w1:
                     break
@@ -393,15 +411,19 @@ class Runner:
                 while time.perf_counter() < w1:
                     s = await queue.get()
                     try:
-                        await self.turn(s, stats, window, 0.0)
+                        await self.turn(s, stats, 0.0, tick)
                     finally:
                         queue.put_nowait(s)
+                    # One pass through the loop per turn, so the sessions
+                    # interleave even when a call completes synchronously.
+                    await asyncio.sleep(0)
 
             await asyncio.wait([asyncio.ensure_future(loop_worker()) for _ in range(conc)], timeout=a.warmup + a.duration + 120)
         await asyncio.gather(*snappers)
         (t_a, cpu_a, mock_a, busy_a), (t_b, cpu_b, mock_b, busy_b) = snap["start"], snap["end"]
         wall = t_b - t_a
-        lat = sorted(stats.lat)
+        st = stats.summary(t_a, t_b)
+        lat = st["lat"]
         cpu = cpu_b - cpu_a
         out = {
             "mode": mode,
@@ -409,18 +431,18 @@ class Runner:
             "decode_s": a.decode_s if mode == "paced" else 0.0,
             "concurrency": None if mode == "paced" else (a.saturated_concurrency or len(sessions)),
             "window_s": round(wall, 3),
-            "calls": stats.calls,
-            "errors": stats.errors,
-            "first_error": stats.first_error,
-            "calls_per_s": round(stats.calls / wall, 2) if wall > 0 else 0.0,
+            "calls": st["calls"],
+            "errors": st["errors"],
+            "first_error": st["first_error"],
+            "calls_per_s": round(st["calls"] / wall, 2) if wall > 0 else 0.0,
             "cpu_s": round(cpu, 3),
-            "cpu_ms_per_call": round(1000 * cpu / stats.calls, 3) if stats.calls else None,
+            "cpu_ms_per_call": round(1000 * cpu / st["calls"], 3) if st["calls"] else None,
             "cores_used": round(cpu / wall, 3) if wall > 0 else None,
             "p50_ms": round(1000 * percentile(lat, 0.50), 3),
             "p99_ms": round(1000 * percentile(lat, 0.99), 3),
             "max_ms": round(1000 * lat[-1], 3) if lat else 0.0,
-            "mean_isl": round(stats.isl / stats.calls, 1) if stats.calls else 0.0,
-            "kv_hit_ratio": round(stats.matched / stats.isl, 4) if stats.isl else 0.0,
+            "mean_isl": round(st["isl"] / st["calls"], 1) if st["calls"] else 0.0,
+            "kv_hit_ratio": round(st["matched"] / st["isl"], 4) if st["isl"] else 0.0,
             "mocker_cores": round((mock_b - mock_a) / wall, 3) if mock_a is not None and mock_b is not None else None,
         }
         if busy_a and busy_b:
