@@ -295,3 +295,23 @@ async def test_incomplete_worker_reasons(impl):
         assert rec["not_schedulable_reasons"] == [
             "reconciliation failed: block_size mismatch for model=default routing_group=default: "
             "existing=16 requested=32"]
+
+
+@async_test
+async def test_error_pickles_with_kind_and_status(impl):
+    """Ray ships exceptions between processes by pickling them: the class must
+    be importable by its ``__module__`` and keep ``kind``/``status_code``."""
+    import importlib
+    import pickle
+
+    cls = impl.SelectionServiceError
+    assert getattr(importlib.import_module(cls.__module__), cls.__qualname__) is cls
+    async with service(impl) as svc:
+        with pytest.raises(cls) as ei:
+            await svc.free_reservation("x")
+    e = ei.value
+    assert repr(e) == "SelectionServiceError('reservation x not found')"
+    e2 = pickle.loads(pickle.dumps(e))
+    assert type(e2) is cls
+    assert str(e2) == "reservation x not found"
+    assert (e2.kind, e2.status_code) == ("not_found", 404)
