@@ -1,0 +1,533 @@
+//! `kvselect._native`: the embedded selector, a drop-in for Dynamo 1.6.1's
+//! `dynamo._core.SelectionService` (`selection-api.md`, Appendix B).
+//!
+//! It drives the same engine as the HTTP server (`kvselect::app::App`):
+//! the same catalog, KV-event ingestion threads, index, ledger and pending
+//! cache; only the edges differ. Requests come in as dicts read by typed
+//! extraction (`extract`), replies go out through `pythonize` from the
+//! engine's own reply types, and errors are mapped in one place (`errors`).
+//!
+//! Threads and the GIL: a call reads its dict with the GIL held (Python
+//! objects cannot be read without it), then releases the GIL for the work
+//! that costs (hashing, the index walk, the cost, the booking), then takes
+//! it back to build the reply. That work runs on the calling thread: the
+//! awaitable methods return an `asyncio.Future` that is already resolved,
+//! which is cheaper than a hop to another thread and back, and keeps a
+//! `delete_worker` or `add_output_block` that is never awaited (Ray does
+//! that) effective at once. Another Python thread runs meanwhile; other
+//! coroutines of the same event loop wait for the call, as for any
+//! synchronous call, about a millisecond for a 100k-token prompt.
+//! KV-event ingestion, replay and recovery run on kvselect's own threads;
+//! a sweeper thread expires stale bookings as the server does.
+
+mod errors;
+mod extract;
+
+use errors::{shutting_down, to_py};
+use kvselect::app::{App, Selection};
+use kvselect::config::{Config, RouterConfig};
+use kvselect::parse::SelectKind;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList, PyTuple};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+pub use errors::SelectionServiceError;
+
+/// How often stale bookings are swept (as in the server).
+const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+/// `SelectionCacheConfig(*, ttl_secs=None, max_entries=None, max_bytes=None)`:
+/// limits of the pending-selection cache (the replay form of reservations).
+#[pyclass(module = "kvselect._native", frozen)]
+#[derive(Clone)]
+pub struct SelectionCacheConfig {
+    ttl_secs: Option<f64>,
+    max_entries: Option<usize>,
+    max_bytes: Option<usize>,
+}
+
+#[pymethods]
+impl SelectionCacheConfig {
+    #[new]
+    #[pyo3(signature = (*, ttl_secs=None, max_entries=None, max_bytes=None))]
+    fn new(
+        ttl_secs: Option<f64>,
+        max_entries: Option<usize>,
+        max_bytes: Option<usize>,
+    ) -> PyResult<Self> {
+        if let Some(t) = ttl_secs {
+            if !t.is_finite() || t < 0.0 {
+                return Err(PyValueError::new_err(
+                    "ttl_secs must be a finite, non-negative number",
+                ));
+            }
+        }
+        Ok(SelectionCacheConfig {
+            ttl_secs,
+            max_entries,
+            max_bytes,
+        })
+    }
+}
+
+/// The sweeper thread's stop signal.
+struct Sweeper {
+    stop: Mutex<bool>,
+    wake: Condvar,
+}
+
+/// The embedded selection service.
+#[pyclass(module = "kvselect._native", frozen)]
+pub struct SelectionService {
+    app: Arc<App>,
+    closed: AtomicBool,
+    sweeper: Arc<Sweeper>,
+    sweeper_thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// `asyncio.get_running_loop`, looked up once.
+fn running_loop(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    static GET: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    GET.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py.import("asyncio")?.getattr("get_running_loop")?.unbind())
+    })?
+    .bind(py)
+    .call0()
+}
+
+/// An `asyncio.Future` of the running loop, already resolved with `r`.
+fn resolved<'py>(py: Python<'py>, r: PyResult<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+    let fut = running_loop(py)?.call_method0("create_future")?;
+    match r {
+        Ok(v) => fut.call_method1("set_result", (v,))?,
+        Err(e) => fut.call_method1("set_exception", (e.into_value(py),))?,
+    };
+    Ok(fut)
+}
+
+fn to_object<'py, T: serde::Serialize>(py: Python<'py>, v: &T) -> PyResult<Bound<'py, PyAny>> {
+    pythonize::pythonize(py, v).map_err(PyErr::from)
+}
+
+/// A selection as a dict in Dynamo's key order: `selection_id`, then
+/// `sequence_hashes` (a list of i64) when booked, then the rest.
+fn selection_object<'py>(py: Python<'py>, sel: &Selection) -> PyResult<Bound<'py, PyAny>> {
+    let fields = to_object(py, sel)?;
+    let Some(h) = sel.sequence_hashes.as_deref() else {
+        return Ok(fields);
+    };
+    let fields = fields.cast_into::<PyDict>()?;
+    let out = PyDict::new(py);
+    if let Some(id) = fields.get_item("selection_id")? {
+        out.set_item("selection_id", id)?;
+    }
+    out.set_item(
+        "sequence_hashes",
+        PyList::new(py, h.iter().map(|&x| x as i64))?,
+    )?;
+    for (k, v) in fields.iter() {
+        out.set_item(k, v)?;
+    }
+    Ok(out.into_any())
+}
+
+impl SelectionService {
+    fn check_open(&self) -> PyResult<()> {
+        if self.closed.load(Ordering::SeqCst) {
+            Err(shutting_down())
+        } else {
+            Ok(())
+        }
+    }
+}
+
+#[pymethods]
+impl SelectionService {
+    #[new]
+    #[pyo3(signature = (
+        *,
+        indexer_threads = 4,
+        indexer_peers = None,
+        replica_sync_port = None,
+        replica_sync_peers = None,
+        selection_cache = None,
+        session_affinity_ttl_secs = None,
+        booking_expiry_secs = None,
+        max_tokens = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        indexer_threads: usize,
+        indexer_peers: Option<Vec<String>>,
+        replica_sync_port: Option<u16>,
+        replica_sync_peers: Option<Vec<String>>,
+        selection_cache: Option<Bound<'_, SelectionCacheConfig>>,
+        session_affinity_ttl_secs: Option<f64>,
+        booking_expiry_secs: Option<f64>,
+        max_tokens: Option<usize>,
+    ) -> PyResult<Self> {
+        if let Some(t) = session_affinity_ttl_secs {
+            if !(1.0..=31_536_000.0).contains(&t) {
+                return Err(PyValueError::new_err(
+                    "session_affinity_ttl_secs must be between 1 and 31536000",
+                ));
+            }
+        }
+        if replica_sync_peers.is_some() && replica_sync_port.is_none() {
+            return Err(PyValueError::new_err(
+                "replica_sync_peers requires replica_sync_port",
+            ));
+        }
+        if replica_sync_port.is_some() || session_affinity_ttl_secs.is_some() {
+            // The server refuses the same options at start-up: neither the
+            // replica mesh nor session affinity is implemented yet.
+            return Err(PyValueError::new_err(
+                "kvselect does not implement the replica mesh or session affinity yet: \
+                 replica_sync_port, replica_sync_peers and session_affinity_ttl_secs must be None",
+            ));
+        }
+        if indexer_threads == 0 {
+            return Err(PyValueError::new_err("indexer_threads must be at least 1"));
+        }
+        let router = RouterConfig::from_env_with(|k| std::env::var(k).ok())
+            .map_err(PyValueError::new_err)?;
+        let mut config = Config {
+            ingest_threads: indexer_threads,
+            indexer_peers: indexer_peers.unwrap_or_default(),
+            router,
+            ..Config::default()
+        };
+        if let Some(c) = selection_cache.map(|c| c.get().clone()) {
+            if let Some(t) = c.ttl_secs {
+                config.selection_cache_ttl = Duration::from_secs_f64(t);
+            }
+            if let Some(n) = c.max_entries {
+                config.selection_cache_max_entries = n;
+            }
+            if let Some(n) = c.max_bytes {
+                config.selection_cache_max_bytes = n;
+            }
+        }
+        if let Some(s) = booking_expiry_secs {
+            if !s.is_finite() || s <= 0.0 {
+                return Err(PyValueError::new_err(
+                    "booking_expiry_secs must be positive",
+                ));
+            }
+            config.booking_expiry = Duration::from_secs_f64(s);
+        }
+        if let Some(n) = max_tokens {
+            config.max_tokens = n;
+        }
+        for peer in &config.indexer_peers {
+            if !peer.starts_with("http://") {
+                return Err(PyValueError::new_err(format!(
+                    "indexer_peers entry `{peer}` must start with http://"
+                )));
+            }
+        }
+        let peers = config.indexer_peers.clone();
+        let app = py.detach(|| {
+            let app = Arc::new(App::new(config));
+            if !peers.is_empty() {
+                recover(&app, &peers);
+            }
+            app
+        });
+        let sweeper = Arc::new(Sweeper {
+            stop: Mutex::new(false),
+            wake: Condvar::new(),
+        });
+        let thread = {
+            let (app, sweeper) = (Arc::clone(&app), Arc::clone(&sweeper));
+            std::thread::Builder::new()
+                .name("kvselect-sweeper".into())
+                .spawn(move || sweep_until_stopped(&app, &sweeper))
+                .map_err(|e| PyValueError::new_err(format!("cannot start the sweeper: {e}")))?
+        };
+        Ok(SelectionService {
+            app,
+            closed: AtomicBool::new(false),
+            sweeper,
+            sweeper_thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    // ----- workers -----
+
+    fn upsert_worker<'py>(
+        &self,
+        py: Python<'py>,
+        worker: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let fields = extract::worker_fields(worker)?;
+        let r = if self.closed.load(Ordering::SeqCst) {
+            Err(shutting_down())
+        } else {
+            let rec = py.detach(|| self.app.upsert_worker(fields));
+            to_object(py, &rec)
+        };
+        resolved(py, r)
+    }
+
+    fn patch_worker<'py>(
+        &self,
+        py: Python<'py>,
+        worker_id: u64,
+        worker: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let d = extract::as_dict(worker)?;
+        if !d.contains("worker_id")? {
+            d.set_item("worker_id", worker_id)?;
+        }
+        let fields = extract::worker_fields(&d)?;
+        let r = py
+            .detach(|| self.app.patch_worker(worker_id, fields))
+            .map_err(to_py)
+            .and_then(|rec| to_object(py, &rec));
+        resolved(py, r)
+    }
+
+    fn delete_worker<'py>(&self, py: Python<'py>, worker_id: u64) -> PyResult<Bound<'py, PyAny>> {
+        let r = py
+            .detach(|| self.app.delete_worker(worker_id))
+            .map_err(to_py)
+            .and_then(|rec| to_object(py, &rec));
+        resolved(py, r)
+    }
+
+    #[pyo3(signature = (*, model_name=None, routing_group=None))]
+    fn list_workers<'py>(
+        &self,
+        py: Python<'py>,
+        model_name: Option<&str>,
+        routing_group: Option<&str>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        to_object(py, &self.app.list_workers(model_name, routing_group))
+    }
+
+    fn ready<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        to_object(py, &self.app.readiness())
+    }
+
+    // ----- selection -----
+
+    fn select<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.select_kind(py, request, SelectKind::Select)
+    }
+
+    fn select_and_reserve<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.select_kind(py, request, SelectKind::SelectAndReserve)
+    }
+
+    fn overlap_scores<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let req = extract::prompt_query_request(&self.app.parser, request)?;
+        let r = py
+            .detach(|| self.app.overlap_scores(&req))
+            .map_err(to_py)
+            .and_then(|v| to_object(py, &v));
+        resolved(py, r)
+    }
+
+    fn potential_loads<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let req = extract::prompt_query_request(&self.app.parser, request)?;
+        let r = py
+            .detach(|| self.app.potential_loads(&req))
+            .map_err(to_py)
+            .and_then(|v| to_object(py, &v));
+        resolved(py, r)
+    }
+
+    // ----- reservations -----
+
+    fn create_reservation<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let req = extract::reservation_request(&self.app.parser, request)?;
+        let r = py
+            .detach(|| self.app.create_reservation(&req))
+            .map_err(to_py)
+            .and_then(|v| to_object(py, &v));
+        resolved(py, r)
+    }
+
+    fn prefill_complete<'py>(
+        &self,
+        py: Python<'py>,
+        selection_id: &str,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let r = self
+            .app
+            .prefill_complete(selection_id)
+            .map_err(to_py)
+            .map(|()| PyTuple::empty(py).into_any());
+        resolved(py, r)
+    }
+
+    #[pyo3(signature = (selection_id, *, decay_fraction=None))]
+    fn add_output_block(&self, selection_id: &str, decay_fraction: Option<f64>) -> PyResult<()> {
+        self.app
+            .output_block(selection_id, decay_fraction)
+            .map_err(to_py)
+    }
+
+    fn free_reservation<'py>(
+        &self,
+        py: Python<'py>,
+        selection_id: &str,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let r = self
+            .app
+            .free_reservation(selection_id)
+            .map_err(to_py)
+            .map(|()| PyTuple::empty(py).into_any());
+        resolved(py, r)
+    }
+
+    // ----- reports -----
+
+    #[pyo3(signature = (*, model_name=None, routing_group=None))]
+    fn loads<'py>(
+        &self,
+        py: Python<'py>,
+        model_name: Option<&str>,
+        routing_group: Option<&str>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        to_object(py, &self.app.loads(model_name, routing_group))
+    }
+
+    /// The index in the /dump recovery format, as a JSON string.
+    fn indexer_snapshot(&self, py: Python<'_>) -> String {
+        py.detach(|| self.app.dump())
+    }
+
+    // ----- lifecycle -----
+
+    /// Stops taking new work (selections and worker upserts fail with
+    /// `not_ready`), stops the KV-event threads and the sweeper, and closes
+    /// every socket. Live bookings can still be completed and freed. Safe to
+    /// call twice.
+    fn shutdown(&self, py: Python<'_>) {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.app.begin_shutdown();
+        py.detach(|| {
+            *self.sweeper.stop.lock().unwrap_or_else(|p| p.into_inner()) = true;
+            self.sweeper.wake.notify_all();
+            if let Some(t) = self
+                .sweeper_thread
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take()
+            {
+                let _ = t.join();
+            }
+            self.app.catalog.hub().shutdown();
+        });
+    }
+
+    fn shutdown_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.shutdown(py);
+        resolved(py, Ok(PyTuple::empty(py).into_any()))
+    }
+}
+
+impl SelectionService {
+    fn select_kind<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        kind: SelectKind,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let req = extract::select_request(&self.app.parser, request, kind)?;
+        let r = match self.check_open() {
+            Err(e) => Err(e),
+            Ok(()) => py
+                .detach(|| self.app.select(&req, kind))
+                .map_err(to_py)
+                .and_then(|sel| selection_object(py, &sel)),
+        };
+        resolved(py, r)
+    }
+}
+
+impl Drop for SelectionService {
+    fn drop(&mut self) {
+        *self.sweeper.stop.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.sweeper.wake.notify_all();
+    }
+}
+
+fn sweep_until_stopped(app: &App, s: &Sweeper) {
+    let mut stop = s.stop.lock().unwrap_or_else(|p| p.into_inner());
+    while !*stop {
+        let (g, timeout) = s
+            .wake
+            .wait_timeout(stop, SWEEP_INTERVAL)
+            .unwrap_or_else(|p| p.into_inner());
+        stop = g;
+        if timeout.timed_out() && !*stop {
+            let n = app.sweep();
+            if n > 0 {
+                tracing::info!(expired = n, "expired stale bookings");
+            }
+        }
+    }
+}
+
+/// Loads the peers' indexes at start-up, as the server does.
+fn recover(app: &App, peers: &[String]) {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::warn!(error = %e, "index recovery skipped: no runtime");
+            return;
+        }
+    };
+    for peer in peers {
+        match rt.block_on(kvselect::recovery::load_peer_dump(app, peer)) {
+            Ok(n) => tracing::info!(%peer, events = n, "recovered index from peer"),
+            Err(e) => tracing::warn!(%peer, error = %e, "index recovery from peer failed"),
+        }
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<SelectionService>()?;
+    m.add_class::<SelectionCacheConfig>()?;
+    m.add(
+        "SelectionServiceError",
+        m.py().get_type::<SelectionServiceError>(),
+    )?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
