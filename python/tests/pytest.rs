@@ -2,9 +2,11 @@
 //! `cargo test` just built, so that the README's one test command covers the
 //! Python package too.
 //!
-//! The extension is `target/<profile>/lib_native.so` (this crate's cdylib,
-//! linked against the interpreter pyo3 built for: `PYO3_PYTHON`, else
-//! `python3`). It is laid next to a copy of `python/kvselect/` in a temporary
+//! The extension is `target/<profile>/deps/lib_native.so` (this crate's
+//! cdylib as cargo builds it for this test; the copy cargo lifts into
+//! `target/<profile>/` is refreshed only when the library itself is a
+//! target), linked against the interpreter pyo3 built for (`PYO3_PYTHON`,
+//! else `python3`). It is laid next to a copy of `python/kvselect/` in a temporary
 //! directory that goes first on `PYTHONPATH`, so the test never picks up a
 //! stale installed `kvselect`. That interpreter needs pytest, numpy, pyzmq
 //! and msgpack (and `ray[serve]==2.60.0` for the Ray tests); `.ci/run`
@@ -17,13 +19,10 @@ fn python() -> String {
     std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_string())
 }
 
-/// `target/<profile>`, from this test binary's own path (`.../deps/pytest-*`).
-fn profile_dir() -> PathBuf {
+/// `target/<profile>/deps`, where this test binary itself lives.
+fn deps_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps")
-        .to_path_buf()
+    exe.parent().expect("target/<profile>/deps").to_path_buf()
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -54,14 +53,14 @@ fn python_suite_passes_against_this_build() {
     );
     let suffix = String::from_utf8(probe.stdout).unwrap().trim().to_string();
 
-    let so = profile_dir().join("lib_native.so");
+    let so = deps_dir().join("lib_native.so");
     assert!(
         so.exists(),
         "{} was not built (run through `cargo test --workspace`)",
         so.display()
     );
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let site = profile_dir().join(format!("pytest-site-{}", std::process::id()));
+    let site = deps_dir().join(format!("pytest-site-{}", std::process::id()));
     let pkg = site.join("kvselect");
     copy_dir(&crate_dir.join("kvselect"), &pkg);
     std::fs::copy(&so, pkg.join(format!("_native{suffix}"))).unwrap();
