@@ -205,9 +205,13 @@ fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
         if list.len() > parser.limits.max_tokens {
             return Err(too_many(list.len()));
         }
-        out.reserve(list.len());
-        for (i, item) in list.iter().enumerate() {
-            out.push(token(&item, name, i)?);
+        if let Err(i) = exact_int_list(list, &mut out) {
+            // The slow path names what is wrong with item `i`.
+            let item = list.get_item(i)?;
+            return Err(match token(&item, name, i) {
+                Err(e) => e,
+                Ok(_) => err(format!("{name}[{i}]: invalid value, expected u32")),
+            });
         }
         return Ok(out);
     }
@@ -283,6 +287,41 @@ fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
         })?);
     }
     Ok(out)
+}
+
+/// Appends every item of `list` when all are exact ints in u32 range, with no
+/// Python call per item beyond reading the int; else the index of the first
+/// item that is not (the caller reports it through [`token`]).
+#[allow(unsafe_code)]
+fn exact_int_list(list: &Bound<'_, PyList>, out: &mut Vec<u32>) -> Result<(), usize> {
+    use pyo3::ffi;
+    let n = list.len();
+    out.reserve(n);
+    let ptr = list.as_ptr();
+    for i in 0..n {
+        // SAFETY: `ptr` is a live list (we hold a reference and the GIL, so
+        // it is not resized under us) and `i < n == len(list)`: the item is a
+        // valid borrowed pointer. `PyLong_CheckExact` only reads its type.
+        // `PyLong_AsLongLongAndOverflow` on an exact int cannot fail (it
+        // reports overflow through the flag, not an exception).
+        let v = unsafe {
+            let item = ffi::PyList_GET_ITEM(ptr, i as ffi::Py_ssize_t);
+            if ffi::PyLong_CheckExact(item) == 0 {
+                return Err(i);
+            }
+            let mut overflow = 0;
+            let v = ffi::PyLong_AsLongLongAndOverflow(item, &mut overflow);
+            if overflow != 0 {
+                return Err(i);
+            }
+            v
+        };
+        match u32::try_from(v) {
+            Ok(t) => out.push(t),
+            Err(_) => return Err(i),
+        }
+    }
+    Ok(())
 }
 
 /// One token of a list: an exact int in u32 range.
