@@ -89,11 +89,11 @@ mod walk;
 pub mod dump;
 
 use std::collections::{BinaryHeap, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
+use crate::fold::FoldBuild;
 use crate::hash::{chain, PUBLIC_SEED};
 use holders::{Change, Holders, MAX_SLOT};
 #[cfg(test)]
@@ -153,46 +153,8 @@ const WALK_CHUNK: usize = 2048;
 /// How many keys ahead the walk prefetches.
 const PREFETCH_AHEAD: usize = 32;
 
-/// Hasher for keys that are already hashes (or small ids): one folded
-/// 64x64->128 multiply spreads every input bit over the whole output, so both
-/// hashbrown's bucket index (low bits) and its tag (high bits) vary even
-/// within one shard (where the key's high bits are fixed).
-#[derive(Default, Clone, Copy)]
-pub(crate) struct Fold(u64);
-
-impl Hasher for Fold {
-    #[inline]
-    fn write(&mut self, bytes: &[u8]) {
-        for c in bytes.chunks(8) {
-            let mut b = [0u8; 8];
-            b[..c.len()].copy_from_slice(c);
-            self.write_u64(u64::from_le_bytes(b));
-        }
-    }
-    #[inline]
-    fn write_u64(&mut self, v: u64) {
-        let p = ((self.0 ^ v) as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_u128);
-        self.0 = (p as u64) ^ ((p >> 64) as u64);
-    }
-    #[inline]
-    fn write_u32(&mut self, v: u32) {
-        self.write_u64(v as u64)
-    }
-    #[inline]
-    fn write_u8(&mut self, v: u8) {
-        self.write_u64(v as u64)
-    }
-    #[inline]
-    fn write_usize(&mut self, v: usize) {
-        self.write_u64(v as u64)
-    }
-    #[inline]
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-type FoldMap<K, V> = HashMap<K, V, BuildHasherDefault<Fold>>;
+/// Maps keyed by hashes or small ids (`crate::fold`).
+type FoldMap<K, V> = HashMap<K, V, FoldBuild>;
 
 #[derive(Default)]
 struct NodeTable {
@@ -249,9 +211,7 @@ fn node_shard(key: u64) -> usize {
 
 #[inline]
 fn rank_shard(worker_id: u64) -> usize {
-    let mut h = Fold::default();
-    h.write_u64(worker_id);
-    (h.finish() >> 32) as usize % RANK_SHARDS
+    (crate::fold::mix(worker_id, 0) >> 32) as usize % RANK_SHARDS
 }
 
 #[inline]

@@ -65,9 +65,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
-use super::ident::{mix, shard_of, IdentBuild};
 use super::table::{Hint, IdentTable};
 use super::ReserveError;
+use crate::fold::{mix, shard_of, FoldBuild};
 use crate::index::WorkerRank;
 
 /// Bookings older than this are force-expired by [`Ledger::sweep_expired`]
@@ -157,7 +157,7 @@ pub struct Ledger {
 }
 
 type BookingShard = Mutex<HashMap<Box<str>, Entry>>;
-type RankShard = RwLock<HashMap<WorkerRank, Arc<RankCell>, IdentBuild>>;
+type RankShard = RwLock<HashMap<WorkerRank, Arc<RankCell>, FoldBuild>>;
 type IdentMap = IdentTable<Holders>;
 
 /// One identity shard: its table, and the table's prefetch hint (read
@@ -535,7 +535,7 @@ impl Ledger {
             key,
             bookings: shards(BOOKING_SHARDS),
             ranks: (0..RANK_SHARDS)
-                .map(|_| RwLock::new(HashMap::with_hasher(IdentBuild { key })))
+                .map(|_| RwLock::new(HashMap::with_hasher(FoldBuild { key })))
                 .collect(),
             idents: (0..IDENT_SHARDS)
                 .map(|_| {
