@@ -650,8 +650,12 @@ mod tests {
         use crate::parse::oracle::{parse_debug, BodyKind};
         use crate::parse::{NumberPath, Parser};
         let scalar = Parser::default().with_number_path(NumberPath::Scalar);
-        let vector =
-            [NumberPath::Avx2, NumberPath::Avx512].map(|p| Parser::default().with_number_path(p));
+        let paths = NumberPath::available_vectors();
+        eprintln!("parse paths tested: scalar, {}", NumberPath::names(&paths));
+        let vector: Vec<(Parser, &str)> = paths
+            .iter()
+            .map(|&(p, name)| (Parser::default().with_number_path(p), name))
+            .collect();
         let ids: Vec<String> = (0..120u64)
             .map(|k| {
                 // Mostly 1-7 digits (the vector path), a 10-digit id now and
@@ -690,12 +694,11 @@ mod tests {
                     );
                     let want = parse_debug(&scalar, BodyKind::Select, body.as_bytes());
                     checked_ok += want.is_ok() as usize;
-                    for v in &vector {
+                    for (v, name) in &vector {
                         assert_eq!(
                             want,
                             parse_debug(v, BodyKind::Select, body.as_bytes()),
-                            "{:?}: {body}",
-                            v.number_path
+                            "{name}: {body}"
                         );
                     }
                 }
@@ -723,6 +726,8 @@ mod tests {
             )
             .with_number_path(path)
         };
+        let paths = NumberPath::available_vectors();
+        eprintln!("parse paths tested: scalar, {}", NumberPath::names(&paths));
         let mut x = 0x9E37_79B9_7F4A_7C15u64;
         for (len, max_digits) in [(300, 1), (301, 2), (257, 5), (400, 9), (333, 10)] {
             let ids: Vec<String> = (0..len)
@@ -744,9 +749,9 @@ mod tests {
                         body.as_bytes(),
                     );
                     assert_eq!(want.is_ok(), max >= len, "{max} {len}");
-                    for path in [NumberPath::Avx2, NumberPath::Avx512] {
+                    for &(path, name) in &paths {
                         let got = parse_debug(&mk(path, max), BodyKind::Select, body.as_bytes());
-                        assert_eq!(want, got, "{path:?} max {max}: {body}");
+                        assert_eq!(want, got, "{name} max {max}: {body}");
                     }
                 }
             }
