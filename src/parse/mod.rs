@@ -1,7 +1,7 @@
 //! Request parsing: JSON bodies -> typed request views, without an
 //! intermediate value tree.
 //!
-//! Owns: the byte cursor (`cursor`), one hand-written visitor per body of the
+//! Owns: the byte cursor (`cursor`) and its internal error (`failure`), one hand-written visitor per body of the
 //! API (`bodies`), the number-array loops (`numbers`, scalar) and their AVX2
 //! and AVX-512 runs (`simd`, the only `unsafe`), and the 400/422/413 classification.
 //! Does not: know HTTP (the HTTP layer adds the axum-style message prefixes and
@@ -16,6 +16,7 @@
 
 mod bodies;
 mod cursor;
+mod failure;
 mod numbers;
 #[cfg(any(test, feature = "testkit"))]
 pub mod oracle;
