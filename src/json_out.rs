@@ -16,6 +16,9 @@
 //! values only) and the digits from the first non-zero one, and `vpcompressb`
 //! packs two slots into place per store.
 
+// The AVX-512 writer: target-feature intrinsics and raw stores into reserved capacity.
+#![allow(unsafe_code)]
+
 /// Appends `[v0,v1,...]`, each value written as the i64 it encodes (the wire
 /// form of block and sequence hashes); byte for byte serde_json's output.
 pub fn push_i64_array(out: &mut Vec<u8>, values: &[u64]) {

@@ -2,6 +2,9 @@
 //! buffers come back from the pools, strings are borrowed from the body.
 //! Counted by this test binary's own global allocator, per thread.
 
+// The counting allocator is an `unsafe impl GlobalAlloc`.
+#![allow(unsafe_code)]
+
 use kvselect::parse::{NumberPath, Parser, SelectKind};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;

@@ -18,6 +18,9 @@
 //! no tombstones); Robin Hood order holds, so a lookup stops at the first
 //! bucket whose resident is closer to its home than the probe is.
 
+// Prefetching a bucket address computed ahead of the walk.
+#![allow(unsafe_code)]
+
 use super::holders::Holders;
 
 pub(crate) struct Node {

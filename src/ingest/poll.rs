@@ -6,6 +6,9 @@
 //! the sockets' `ZMQ_FD`s) and the command protocol. Does not: read a
 //! message (`listener.rs`) or keep the registry (`hub.rs`).
 
+// `libc::poll` over ZMQ_FD descriptors: the one FFI call of ingestion.
+#![allow(unsafe_code)]
+
 use super::listener::{Frames, Listener, Watch};
 use super::spec::IngestConfig;
 use super::stats::Counters;

@@ -17,6 +17,9 @@
 //! The shard index uses bits 48..56 of the mixed value, the bucket its low
 //! bits.
 
+// Prefetching a bucket address published by the table (`Hint`).
+#![allow(unsafe_code)]
+
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

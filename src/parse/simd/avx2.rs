@@ -1,6 +1,9 @@
 //! The AVX2 run (the contract and the method are in `mod.rs`'s header).
 //! x86-64 only.
 
+// Target-feature intrinsics and raw stores into reserved capacity.
+#![allow(unsafe_code)]
+
 use super::{digits_value, exact_u32, Run};
 use crate::parse::cursor::is_ws;
 use std::arch::x86_64::*;

@@ -17,6 +17,9 @@
 //! at `p`, and the scalar loop takes that element.
 //! x86-64 only.
 
+// Target-feature intrinsics and raw stores into reserved capacity.
+#![allow(unsafe_code)]
+
 use super::{exact_u32, Run};
 use std::arch::x86_64::*;
 

@@ -26,6 +26,9 @@
 //! kept (`set_len`) only once it is known valid; the run never pushes past
 //! `max` elements.
 
+// Calls the AVX2 and AVX-512 runs (target-feature fns) once detection proved the CPU has them.
+#![allow(unsafe_code)]
+
 /// Where a vector run (AVX2 or AVX-512) stopped.
 pub(crate) enum Run {
     /// The array ended; the offset is just past its `]`.
