@@ -58,7 +58,8 @@
 //! the same blocks returns the sum to exactly zero, which `f64` would not.
 //!
 //! Files: this one holds the public types and [`Ledger`] (bookings, rank
-//! registry, identity shards, `new_blocks`); `chains.rs` a rank's counters
+//! registry, identity shards); `new_blocks.rs` the selection hot path's
+//! query; `chains.rs` a rank's counters
 //! and chained bookings; `holders.rs` the holder list of one identity and
 //! the holds that move a rank's weight; `tests.rs` the unit tests.
 
@@ -77,6 +78,7 @@ use crate::index::WorkerRank;
 
 mod chains;
 mod holders;
+mod new_blocks;
 
 use chains::{Chains, RankCell};
 use holders::{hold, hold_unweighted, unhold, Holders};
@@ -92,7 +94,6 @@ const IDENT_SHARDS: usize = 256;
 /// Fixed-point 1.0 for block weights (24 fractional bits: exact for the
 /// dyadic fractions clients use, ~6e-8 resolution otherwise).
 const WEIGHT_ONE: u32 = 1 << 24;
-const NO_QUERY: u32 = u32::MAX;
 
 /// What a list of identities is, which decides whether the ledger may take
 /// its prefix fast path (module docs).
@@ -211,11 +212,6 @@ struct SlotAlloc {
 }
 
 thread_local! {
-    /// Scratch for `new_blocks`: hit counts per slot, the slots of the
-    /// queried ranks, and the current run of identical holder lists.
-    #[allow(clippy::type_complexity)]
-    static SLOT_HITS: RefCell<(Vec<u32>, Vec<u32>, Vec<u32>)> =
-        const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
     /// Scratch for `by_ident_shard`: (identity, mixed) grouped by shard.
     static BY_SHARD: RefCell<Vec<(u64, u64)>> = const { RefCell::new(Vec::new()) };
 }
@@ -226,30 +222,14 @@ const GROUP_MIN: usize = 64;
 /// How many identities ahead `by_ident_shard` prefetches a home bucket.
 const PREFETCH_AHEAD: usize = 16;
 
-/// Holder lists at least this long are compared with the previous one so that
-/// runs of identities held by the same ranks are counted once.
-const RUN_MIN_HOLDERS: usize = 8;
-
-/// Adds `times` hits to each of `slots` (slots past the table cannot have
-/// been queried: they were allocated after the query was mapped).
-#[inline]
-fn add_hits(hits: &mut [u32], slots: &[u32], times: u32) {
-    if times == 0 {
-        return;
-    }
-    for &s in slots {
-        if let Some(n) = hits.get_mut(s as usize) {
-            *n += times;
-        }
-    }
-}
-
+/// A decay fraction as a fixed-point weight, clamped to 0..=1; NaN is ignored.
 fn weight_fp(f: f64) -> Option<u32> {
     if f.is_nan() {
         return None;
     }
     Some((f.clamp(0.0, 1.0) * f64::from(WEIGHT_ONE)).round() as u32)
 }
+
 impl Default for Ledger {
     fn default() -> Self {
         Ledger::new(DEFAULT_BOOKING_EXPIRY)
@@ -403,90 +383,6 @@ impl Ledger {
     pub fn loads(&self, ranks: &[WorkerRank], out: &mut Vec<RankLoad>) {
         out.clear();
         out.extend(ranks.iter().map(|&wr| self.rank_load(wr)));
-    }
-
-    /// For each rank of `ranks`, how many of `identities` (assumed distinct)
-    /// are not active on it; `out[i]` answers `ranks[i]`.
-    ///
-    /// A chained query on a chained rank costs O(bookings on the rank x log
-    /// identities) (module docs). The table answers for the other ranks in
-    /// O(identities + hits), and less for shared prefixes: each identity is
-    /// looked up once in the global index, its holders' hit counters are
-    /// bumped, and a run of identities with the very same holder list (a
-    /// prefix active on many ranks) is counted with one comparison per
-    /// identity. All-idle candidates skip the lookups. An `Arbitrary` query
-    /// first moves every busy rank it asks about into the table (for the
-    /// life of the rank's entry: until its bookings drain).
-    ///
-    /// Like every read here it is not a snapshot: bookings that change during
-    /// the call may or may not be counted (the same as one read earlier or later).
-    pub fn new_blocks(
-        &self,
-        ranks: &[WorkerRank],
-        identities: &[u64],
-        form: IdentityForm,
-        out: &mut Vec<u64>,
-    ) {
-        out.clear();
-        out.resize(ranks.len(), identities.len() as u64);
-        if ranks.is_empty() || identities.is_empty() {
-            return;
-        }
-        SLOT_HITS.with(|t| {
-            let (hits, qslots, run) = &mut *t.borrow_mut();
-            qslots.clear();
-            // A rank in chained mode answers a chained query from its lists;
-            // the table answers for the others (an arbitrary query first
-            // moves a chained rank's bookings into the table).
-            for (o, &wr) in out.iter_mut().zip(ranks) {
-                let Some(cell) = self.cell_of(wr) else {
-                    qslots.push(NO_QUERY);
-                    continue;
-                };
-                let mut chains = cell.chains.lock();
-                if !chains.tabled && form == IdentityForm::Chained {
-                    *o -= chains.max_lcp(identities) as u64;
-                    qslots.push(NO_QUERY);
-                } else {
-                    self.table_rank(&mut chains, &cell);
-                    qslots.push(cell.slot);
-                }
-            }
-            // Idle candidates hold nothing: skip the identity lookups.
-            let Some(&max) = qslots.iter().filter(|&&s| s != NO_QUERY).max() else {
-                return;
-            };
-            // Hits are counted for every holder, queried or not: a plain
-            // increment is cheaper than asking whether the slot was queried.
-            hits.clear();
-            hits.resize(max as usize + 1, 0);
-            run.clear();
-            let mut run_len = 0u32;
-            self.by_ident_shard(identities, |map, x, m| {
-                let Some(h) = map.get(x, m) else {
-                    return;
-                };
-                let slots = h.slots();
-                if slots.len() < RUN_MIN_HOLDERS {
-                    add_hits(hits, slots, 1);
-                } else if run_len > 0 && slots == &run[..] {
-                    // A shared prefix: many identities with the very same
-                    // holders. A memcmp is far cheaper than the increments.
-                    run_len += 1;
-                } else {
-                    add_hits(hits, run, run_len);
-                    run.clear();
-                    run.extend_from_slice(slots);
-                    run_len = 1;
-                }
-            });
-            add_hits(hits, run, run_len);
-            for (o, &s) in out.iter_mut().zip(qslots.iter()) {
-                if let Some(&n) = hits.get(s as usize) {
-                    *o = o.saturating_sub(u64::from(n));
-                }
-            }
-        });
     }
 
     /// Drops every booking on any rank of `worker_id`; returns how many.
