@@ -2,7 +2,7 @@
 //!
 //! | file | owns |
 //! |---|---|
-//! | `decode.rs` | pure wire decoding: frames, replay replies, msgpack batches |
+//! | `decode/` | pure wire decoding: frames, replay replies, msgpack batches (`cursor.rs`: the msgpack reader) |
 //! | `encode.rs` | the same wire format written out; `testkit` feature only (tests, benches, harness) |
 //! | `apply.rs` | decoded events -> index calls, per-listener filtering rules |
 //! | `spec.rs` | the hub's config, one listener's source, endpoint syntax |

@@ -5,7 +5,7 @@
 //! values out; no I/O, no index, no state.
 //!
 //! Invariants, because every byte here comes from the network:
-//! - nothing panics: every read goes through [`Cursor`], which checks bounds;
+//! - nothing panics: every read goes through `Cursor` (`cursor.rs`), which checks bounds;
 //! - no length prefix allocates more than the bytes that are left could
 //!   possibly hold (each msgpack element takes at least one byte), so a 5-byte
 //!   message cannot ask for a 4 GiB vector;
