@@ -11,6 +11,9 @@
 //!
 //! `cargo bench --bench parse` (short: measurement_time 3 s per case).
 
+// Reads the thread CPU clock through `libc::clock_gettime`.
+#![allow(unsafe_code)]
+
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use kvselect::parse::oracle::{RefSelect, RefSelectFlatten};
 use kvselect::parse::{NumberPath, ParseLimits, Parser, SelectKind};

@@ -16,15 +16,25 @@
 //! values only) and the digits from the first non-zero one, and `vpcompressb`
 //! packs two slots into place per store.
 
+// The AVX-512 writer: target-feature intrinsics and raw stores into reserved capacity.
+#![allow(unsafe_code)]
+
 /// Appends `[v0,v1,...]`, each value written as the i64 it encodes (the wire
 /// form of block and sequence hashes); byte for byte serde_json's output.
 pub fn push_i64_array(out: &mut Vec<u8>, values: &[u64]) {
+    push_i64_array_on(out, values, true)
+}
+
+/// [`push_i64_array`], with the AVX-512 step only if `vector` (and the CPU
+/// has it): the tests hold the two paths to each other.
+#[inline]
+fn push_i64_array_on(out: &mut Vec<u8>, values: &[u64], vector: bool) {
     out.reserve(i64_array_capacity(values.len()));
     out.push(b'[');
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     {
-        if crate::parse::avx512_available() {
+        if vector && crate::parse::avx512_available() {
             // SAFETY: the AVX-512 parts, BMI1, LZCNT and POPCNT were detected
             // at run time.
             done = unsafe { avx512::push_groups(out, values) };
@@ -179,6 +189,18 @@ mod avx512 {
 mod tests {
     use super::*;
 
+    /// The writers this CPU really runs, each with its name: `itoa` always,
+    /// the AVX-512 step only where the CPU has it.
+    fn paths() -> Vec<(bool, &'static str)> {
+        let mut p = vec![(false, "itoa")];
+        if crate::parse::avx512_available() {
+            p.push((true, "avx512"));
+        }
+        let names: Vec<&str> = p.iter().map(|&(_, n)| n).collect();
+        eprintln!("json_out paths tested: {}", names.join(", "));
+        p
+    }
+
     fn serde(values: &[u64]) -> Vec<u8> {
         let v: Vec<i64> = values.iter().map(|&h| h as i64).collect();
         serde_json::to_vec(&v).unwrap()
@@ -188,6 +210,7 @@ mod tests {
     /// edge values in every position of a group, and random hashes.
     #[test]
     fn equals_serde_json() {
+        let paths = paths();
         let edges: Vec<u64> = [
             0i64,
             1,
@@ -229,15 +252,24 @@ mod tests {
                         }
                     })
                     .collect();
-                let mut out = b"{\"k\":".to_vec();
-                push_i64_array(&mut out, &values);
-                assert_eq!(
-                    String::from_utf8(out[5..].to_vec()).unwrap(),
-                    String::from_utf8(serde(&values)).unwrap()
-                );
+                for &(vector, name) in &paths {
+                    let mut out = b"{\"k\":".to_vec();
+                    push_i64_array_on(&mut out, &values, vector);
+                    assert_eq!(
+                        String::from_utf8(out[5..].to_vec()).unwrap(),
+                        String::from_utf8(serde(&values)).unwrap(),
+                        "{name}"
+                    );
+                }
             }
         }
         let big: Vec<u64> = (0..6_250).map(|_| random()).collect();
+        for &(vector, name) in &paths {
+            let mut out = Vec::new();
+            push_i64_array_on(&mut out, &big, vector);
+            assert_eq!(out, serde(&big), "{name}");
+        }
+        // The public entry point takes the widest path the CPU has.
         let mut out = Vec::new();
         push_i64_array(&mut out, &big);
         assert_eq!(out, serde(&big));

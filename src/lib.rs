@@ -9,6 +9,7 @@
 //! | `pool` | bounded pools of reusable `u32`/`u64` buffers | know about JSON |
 //! | `parse` | JSON bodies -> typed request views; 400/422 classification | allocate per token |
 //! | `hash` | block and sequence hashes over `&[u32]` (pure) | touch the index |
+//! | `fold` | the one identity hasher for maps keyed by hashes or ids | hash tokens |
 //! | `index` | lock-sharded KV index per partition: stores, removals, overlap | do I/O |
 //! | `ingest` | ZMQ subscribers, msgpack event decoding, gap replay | decide routing |
 //! | `reserve` | bookings, active load, pending-selection cache | pick workers |
@@ -20,6 +21,7 @@
 //! | `http` | accept loop, routing, 415/413, the one error -> status mapping | hold domain state |
 //! | `config`, `runtime`, `recovery` | CLI/env -> `Config`; pinned runtime; start-up /dump recovery | |
 
+mod fold;
 pub mod hash;
 pub mod index;
 pub mod ingest;

@@ -1,14 +1,20 @@
 //! Replays the `kv_event_decode` fuzz corpus (seeds and any saved crashes
 //! under fuzz/corpus/kv_event_decode) through the same calls as the fuzz
 //! target, as ordinary tests. Seeds named `seed-*` are valid engine payloads
-//! and must decode.
+//! and must decode. (`tests/fuzz_replay.rs` holds the list of all fuzz
+//! targets against `fuzz/Cargo.toml`; this file adds the seeds' checks.)
 
 use kvselect::ingest::decode::{decode_batch, decode_message, decode_replay_reply};
 use std::path::Path;
 
+/// The fuzz target whose corpus this file replays.
+const TARGET: &str = "kv_event_decode";
+
 #[test]
 fn fuzz_corpus_replays_without_panics() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/kv_event_decode");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus")
+        .join(TARGET);
     let mut seeds = 0;
     for entry in std::fs::read_dir(&dir).expect("corpus dir") {
         let path = entry.unwrap().path();

@@ -7,6 +7,9 @@
 //! counting allocator below: requested bytes live in the index, not estimates).
 //! Times are medians of several runs; the machine may be shared.
 
+// A counting `GlobalAlloc` measures the index's heap.
+#![allow(unsafe_code)]
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Arc;

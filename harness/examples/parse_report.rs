@@ -5,6 +5,9 @@
 //!
 //! `cargo run --release --example parse_report`
 
+// Reads the thread CPU clock through `libc::clock_gettime`.
+#![allow(unsafe_code)]
+
 use kvselect::parse::oracle::{RefSelect, RefSelectFlatten};
 use kvselect::parse::{
     avx2_available, avx512_available, NumberPath, ParseLimits, Parser, SelectKind,

@@ -493,12 +493,18 @@ fn routing_constraints(d: &Bound<'_, PyDict>) -> R<Option<RoutingConstraints<'st
         }
     }
     if let Some(pref) = get_some(&c, "preferred_taints")? {
-        for t in seq_items(&pref)? {
-            let t = as_dict(&t)?;
-            let name = required(strict_str(&t, "taint")?, "taint")?;
-            let w = required(get_some(&t, "weight")?, "weight")?;
-            out.preferred_taints
-                .push((name, float_value(&w, "f32")? as f32));
+        // A map of taint -> weight, as in the JSON body.
+        let pref = pref.cast::<PyDict>().map_err(|_| {
+            err(format!(
+                "routing_constraints.preferred_taints: invalid type: {}, expected a map",
+                unexpected(&pref)
+            ))
+        })?;
+        for (t, w) in pref.iter() {
+            out.preferred_taints.push((
+                Cow::Owned(string_value(&t)?),
+                float_value(&w, "f32")? as f32,
+            ));
         }
     }
     Ok(Some(out))

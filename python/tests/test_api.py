@@ -411,3 +411,22 @@ async def test_keyword_arguments_by_name(impl):
         await svc.free_reservation(selection_id="k")
         rec = await svc.delete_worker(worker_id=1)
         assert rec["worker_id"] == 1
+
+
+@async_test
+async def test_routing_constraints_steer_the_choice(impl):
+    """`preferred_taints` is a map of taint -> weight, `required_taints` a
+    list; both are read exactly as the HTTP body's fields are."""
+    async with service(impl) as svc:
+        await svc.upsert_worker(worker(1))
+        await svc.upsert_worker(worker(2, taints=["fast"]))
+        await wait_loaded(svc, 1)
+        await wait_loaded(svc, 2)
+        prompt = list(range(1, 65))
+        for _ in range(8):
+            r = await svc.select({"token_ids": prompt, "routing_constraints": {"preferred_taints": {"fast": 5.0}}})
+            assert r["worker_id"] == 2, r
+            r = await svc.select({"token_ids": prompt, "routing_constraints": {"required_taints": ["fast"]}})
+            assert r["worker_id"] == 2, r
+        with pytest.raises(ValueError):
+            svc.select({"token_ids": prompt, "routing_constraints": {"preferred_taints": [["fast", 5.0]]}})

@@ -26,11 +26,11 @@ pub(crate) struct EngineMap {
 const DOUBLE_UNTIL: usize = 1024;
 const MIN_CAPACITY: usize = 8;
 
+/// Home bucket: the key mixed (`crate::fold`), then a multiply-shift range
+/// reduction to `0..n`.
 #[inline]
 fn home(key: u64, n: usize) -> usize {
-    let p = (key as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_u128);
-    let m = (p as u64) ^ ((p >> 64) as u64);
-    ((m as u128 * n as u128) >> 64) as usize
+    ((crate::fold::mix(key, 0) as u128 * n as u128) >> 64) as usize
 }
 
 impl EngineMap {

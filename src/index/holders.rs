@@ -9,6 +9,9 @@
 //! Invariant: a slot appears at most once and its mask is never 0 (a slot
 //! whose last tier is cleared is removed).
 
+// Holder sets are a tagged pointer word (inline, sparse list or dense bitset).
+#![allow(unsafe_code)]
+
 /// Tier bits of a holder mask, in `Tier::ALL` order.
 pub(crate) const DEV: u8 = 1;
 pub(crate) const HOST: u8 = 2;

@@ -27,6 +27,13 @@
 //! blocks, so a writer waits at most one chunk. Guards never leave this module.
 //! Lock order: rank registry shard -> rank -> node shard -> run records
 //! (`runs.rs`: allocator -> segments); the slot table is taken alone.
+//!
+//! Files: this one holds the public types, stores, removals, the overlap
+//! walk's driver and `stats`; `ranks.rs` the rank registry and slot table;
+//! `table.rs` the node table; `engine.rs` the engine-hash maps;
+//! `holders.rs` a node's holder set; `runs.rs` run records; `walk.rs` the
+//! overlap arithmetic; `reconstruct.rs` the `/dump` walk; `dump.rs` the
+//! /dump JSON; `tests.rs` the unit tests.
 
 /// One scheduling candidate: a worker's data-parallel rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -82,22 +89,22 @@ pub struct Overlap {
 
 mod engine;
 mod holders;
+mod ranks;
+mod reconstruct;
 mod runs;
 mod table;
 mod walk;
 
 pub mod dump;
 
-use std::collections::{BinaryHeap, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::Arc;
+use std::collections::HashMap;
 
-use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+use parking_lot::{RwLock, RwLockReadGuard};
 
+use crate::fold::FoldBuild;
 use crate::hash::{chain, PUBLIC_SEED};
-use holders::{Change, Holders, MAX_SLOT};
-#[cfg(test)]
-use holders::{DEV, HOST};
+use holders::{Change, Holders};
+use ranks::{RankShard, RankState, Slots};
 
 /// Why a store was refused (nothing of it is indexed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,46 +160,8 @@ const WALK_CHUNK: usize = 2048;
 /// How many keys ahead the walk prefetches.
 const PREFETCH_AHEAD: usize = 32;
 
-/// Hasher for keys that are already hashes (or small ids): one folded
-/// 64x64->128 multiply spreads every input bit over the whole output, so both
-/// hashbrown's bucket index (low bits) and its tag (high bits) vary even
-/// within one shard (where the key's high bits are fixed).
-#[derive(Default, Clone, Copy)]
-pub(crate) struct Fold(u64);
-
-impl Hasher for Fold {
-    #[inline]
-    fn write(&mut self, bytes: &[u8]) {
-        for c in bytes.chunks(8) {
-            let mut b = [0u8; 8];
-            b[..c.len()].copy_from_slice(c);
-            self.write_u64(u64::from_le_bytes(b));
-        }
-    }
-    #[inline]
-    fn write_u64(&mut self, v: u64) {
-        let p = ((self.0 ^ v) as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_u128);
-        self.0 = (p as u64) ^ ((p >> 64) as u64);
-    }
-    #[inline]
-    fn write_u32(&mut self, v: u32) {
-        self.write_u64(v as u64)
-    }
-    #[inline]
-    fn write_u8(&mut self, v: u8) {
-        self.write_u64(v as u64)
-    }
-    #[inline]
-    fn write_usize(&mut self, v: usize) {
-        self.write_u64(v as u64)
-    }
-    #[inline]
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-type FoldMap<K, V> = HashMap<K, V, BuildHasherDefault<Fold>>;
+/// Maps keyed by hashes or small ids (`crate::fold`).
+type FoldMap<K, V> = HashMap<K, V, FoldBuild>;
 
 #[derive(Default)]
 struct NodeTable {
@@ -205,28 +174,6 @@ struct NodeTable {
 #[repr(align(128))]
 #[derive(Default)]
 struct NodeShard(RwLock<NodeTable>);
-
-#[repr(align(128))]
-#[derive(Default)]
-struct RankShard(RwLock<FoldMap<WorkerRank, Arc<Mutex<RankState>>>>);
-
-struct RankState {
-    slot: u32,
-    /// Set when the rank was cleared or removed; a store that raced with that
-    /// retries with a fresh state.
-    dead: bool,
-    /// Per tier: engine hash -> node key.
-    tiers: [engine::EngineMap; 4],
-    /// (tier, key) -> number of engine hashes naming the key beyond the first.
-    dups: FoldMap<(u8, u64), u32>,
-}
-
-#[derive(Default)]
-struct Slots {
-    owners: Vec<Option<WorkerRank>>,
-    /// Freed slots, lowest first, so bitsets stay short.
-    free: BinaryHeap<std::cmp::Reverse<u32>>,
-}
 
 /// The KV index of one partition. `Send + Sync`; share it as `Arc<Index>`.
 pub struct Index {
@@ -245,13 +192,6 @@ impl Default for Index {
 #[inline]
 fn node_shard(key: u64) -> usize {
     (key >> (64 - NODE_SHARD_BITS)) as usize
-}
-
-#[inline]
-fn rank_shard(worker_id: u64) -> usize {
-    let mut h = Fold::default();
-    h.write_u64(worker_id);
-    (h.finish() >> 32) as usize % RANK_SHARDS
 }
 
 #[inline]
@@ -480,116 +420,6 @@ impl Index {
         n
     }
 
-    /// AllBlocksCleared: drops every tier of `wr`.
-    pub fn clear(&self, wr: WorkerRank) {
-        let taken = {
-            let mut reg = self.ranks[rank_shard(wr.worker_id)].0.write();
-            let r = reg.remove(&wr);
-            shrink(&mut reg);
-            r
-        };
-        if let Some(rank) = taken {
-            self.retire(wr, &rank);
-        }
-    }
-
-    /// Drops every rank and tier of a worker.
-    pub fn remove_worker(&self, worker_id: u64) {
-        let mut taken = Vec::new();
-        {
-            let mut reg = self.ranks[rank_shard(worker_id)].0.write();
-            reg.retain(|wr, r| {
-                if wr.worker_id == worker_id {
-                    taken.push((*wr, r.clone()));
-                    false
-                } else {
-                    true
-                }
-            });
-            shrink(&mut reg);
-        }
-        for (wr, rank) in taken {
-            self.retire(wr, &rank);
-        }
-    }
-
-    /// Releases everything a rank (already out of the registry) holds, then
-    /// its slot.
-    fn retire(&self, wr: WorkerRank, rank: &Mutex<RankState>) {
-        let mut st = rank.lock();
-        if st.dead {
-            return;
-        }
-        st.dead = true;
-        let RankState {
-            slot, tiers, dups, ..
-        } = &mut *st;
-        for (t, m) in tiers.iter_mut().enumerate() {
-            for (_, key) in std::mem::take(m).iter() {
-                self.release(*slot, dups, t, key);
-            }
-        }
-        *dups = FoldMap::default();
-        let mut slots = self.slots.write();
-        if slots.owners.get(*slot as usize) == Some(&Some(wr)) {
-            slots.owners[*slot as usize] = None;
-            slots.free.push(std::cmp::Reverse(*slot));
-            if *slot as usize + 1 == slots.owners.len() {
-                // Give the tail back so the table shrinks with the fleet.
-                while slots.owners.last() == Some(&None) {
-                    slots.owners.pop();
-                }
-                let len = slots.owners.len() as u32;
-                slots.free.retain(|s| s.0 < len);
-                if slots.owners.capacity() > 2 * slots.owners.len() + 16 {
-                    slots.owners.shrink_to_fit();
-                    slots.free.shrink_to_fit();
-                }
-            }
-        }
-    }
-
-    fn rank(&self, wr: WorkerRank) -> Option<Arc<Mutex<RankState>>> {
-        self.ranks[rank_shard(wr.worker_id)]
-            .0
-            .read()
-            .get(&wr)
-            .cloned()
-    }
-
-    fn rank_or_insert(&self, wr: WorkerRank) -> Result<Arc<Mutex<RankState>>, StoreError> {
-        if let Some(r) = self.rank(wr) {
-            return Ok(r);
-        }
-        let mut reg = self.ranks[rank_shard(wr.worker_id)].0.write();
-        if let Some(r) = reg.get(&wr) {
-            return Ok(r.clone());
-        }
-        let slot = {
-            let mut slots = self.slots.write();
-            let slot = match slots.free.pop() {
-                Some(std::cmp::Reverse(s)) => s,
-                None if slots.owners.len() as u64 > MAX_SLOT as u64 => {
-                    return Err(StoreError::TooManyRanks)
-                }
-                None => {
-                    slots.owners.push(None);
-                    (slots.owners.len() - 1) as u32
-                }
-            };
-            slots.owners[slot as usize] = Some(wr);
-            slot
-        };
-        let r = Arc::new(Mutex::new(RankState {
-            slot,
-            dead: false,
-            tiers: Default::default(),
-            dups: FoldMap::default(),
-        }));
-        reg.insert(wr, r.clone());
-        Ok(r)
-    }
-
     /// Fills `out` (cleared first) with the overlap of every (worker, rank)
     /// matching at least one leading block of `seq_keys`, the request's public
     /// sequence-hash chain. Order of `out` is unspecified.
@@ -679,141 +509,6 @@ impl Index {
         });
     }
 
-    /// Reconstruction of the index as stored chains, for GET /dump: per
-    /// (worker, rank, tier), parents before children within a tier (a chain
-    /// may name a parent held on another tier of the same rank). Blocks whose
-    /// parent the rank no longer holds are left out: no walk reaches them.
-    pub fn dump(&self) -> Vec<DumpChain> {
-        let mut ranks: Vec<(WorkerRank, Arc<Mutex<RankState>>)> = Vec::new();
-        for sh in self.ranks.iter() {
-            ranks.extend(sh.0.read().iter().map(|(wr, r)| (*wr, r.clone())));
-        }
-        ranks.sort_by_key(|(wr, _)| *wr);
-        let mut out = Vec::new();
-        for (wr, rank) in ranks {
-            let st = rank.lock();
-            if st.dead {
-                continue;
-            }
-            self.dump_rank(wr, &st, &mut out);
-        }
-        out
-    }
-
-    fn dump_rank(&self, wr: WorkerRank, st: &RankState, out: &mut Vec<DumpChain>) {
-        // key -> engine hash, per tier (first engine hash wins for dups).
-        let mut rev: [FoldMap<u64, u64>; 4] = Default::default();
-        for (t, m) in st.tiers.iter().enumerate() {
-            for (e, k) in m.iter() {
-                rev[t].entry(k).or_insert(e);
-            }
-        }
-        // Per tier: engine -> (local hash, parent as (tier it resolves on,
-        // engine hash)). Blocks whose parent the rank no longer holds are
-        // left out.
-        type Info = FoldMap<u64, (u64, Option<(usize, u64)>)>;
-        let mut info: [Info; 4] = Default::default();
-        for (t, m) in st.tiers.iter().enumerate() {
-            for (e, k) in m.iter() {
-                let Some((local, parent_key)) = self.node_info(k) else {
-                    continue;
-                };
-                let parent = if parent_key == k {
-                    None
-                } else {
-                    // Name the parent by an engine hash that a store's parent
-                    // lookup (this tier first) resolves to that very key.
-                    let cand = std::iter::once(t)
-                        .chain((0..4).filter(|&u| u != t))
-                        .filter_map(|u| rev[u].get(&parent_key).copied())
-                        .find_map(|pe| match st.resolve(t, pe) {
-                            Some((u, k)) if k == parent_key => Some((u, pe)),
-                            _ => None,
-                        });
-                    match cand {
-                        Some(p) => Some(p),
-                        None => continue,
-                    }
-                };
-                info[t].insert(e, (local, parent));
-            }
-        }
-        // Keep only blocks whose whole ancestry is dumped, so a loader can
-        // apply every chain.
-        let mut ok: [FoldMap<u64, bool>; 4] = Default::default();
-        for t in 0..4 {
-            for &e in info[t].keys() {
-                let mut path = Vec::new();
-                let mut cur = (t, e);
-                let verdict = loop {
-                    if let Some(&v) = ok[cur.0].get(&cur.1) {
-                        break v;
-                    }
-                    if path.contains(&cur) || path.len() > 1 << 20 {
-                        break false;
-                    }
-                    path.push(cur);
-                    match info[cur.0].get(&cur.1) {
-                        None => break false,
-                        Some((_, None)) => break true,
-                        Some((_, Some(p))) => cur = *p,
-                    }
-                };
-                for p in path {
-                    ok[p.0].insert(p.1, verdict);
-                }
-            }
-        }
-        for (t, tier) in Tier::ALL.into_iter().enumerate() {
-            let mut children: FoldMap<u64, Vec<u64>> = FoldMap::default();
-            let mut starts: Vec<u64> = Vec::new();
-            for (&e, &(_, parent)) in &info[t] {
-                if ok[t].get(&e) != Some(&true) {
-                    continue;
-                }
-                match parent {
-                    Some((u, pe)) if u == t => children.entry(pe).or_default().push(e),
-                    _ => starts.push(e),
-                }
-            }
-            starts.sort_unstable();
-            let mut stack: Vec<(Option<u64>, u64)> = starts
-                .iter()
-                .rev()
-                .map(|&e| (info[t][&e].1.map(|(_, p)| p), e))
-                .collect();
-            while let Some((parent, first)) = stack.pop() {
-                let mut blocks = Vec::new();
-                let mut cur = Some(first);
-                while let Some(e) = cur {
-                    blocks.push(StoredBlock {
-                        engine_hash: e,
-                        local_hash: info[t][&e].0,
-                    });
-                    cur = None;
-                    if let Some(kids) = children.get_mut(&e) {
-                        kids.sort_unstable();
-                        for &k in kids.iter().skip(1).rev() {
-                            stack.push((Some(e), k));
-                        }
-                        cur = kids.first().copied();
-                    }
-                }
-                out.push(DumpChain {
-                    wr,
-                    tier,
-                    parent_engine_hash: parent,
-                    blocks,
-                });
-            }
-        }
-    }
-
-    fn node_info(&self, key: u64) -> Option<(u64, u64)> {
-        let g = self.nodes[node_shard(key)].0.read();
-        g.nodes.info(key)
-    }
-
     /// Size figures (walks every shard briefly; not for the hot path).
     pub fn stats(&self) -> IndexStats {
         let mut s = IndexStats {
@@ -847,342 +542,5 @@ impl Index {
     }
 }
 
-impl RankState {
-    /// Where a store on tier `t` naming parent `engine` finds it: (tier, key).
-    fn resolve(&self, t: usize, engine: u64) -> Option<(usize, u64)> {
-        std::iter::once(t)
-            .chain((0..4).filter(|&u| u != t))
-            .find_map(|u| self.tiers[u].get(&engine).map(|&k| (u, k)))
-    }
-
-    /// Node key of the block this rank stored as `engine`, looking in tier `t`
-    /// first, then the other tiers in `Tier::ALL` order.
-    fn find(&self, t: usize, engine: u64) -> Option<u64> {
-        self.tiers[t].get(&engine).copied().or_else(|| {
-            (0..4)
-                .filter(|&u| u != t)
-                .find_map(|u| self.tiers[u].get(&engine).copied())
-        })
-    }
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::hash::sequence_hashes;
-
-    fn wr(w: u64) -> WorkerRank {
-        WorkerRank {
-            worker_id: w,
-            dp_rank: 0,
-        }
-    }
-
-    fn blocks(engine: &[u64], local: &[u64]) -> Vec<StoredBlock> {
-        engine
-            .iter()
-            .zip(local)
-            .map(|(&e, &l)| StoredBlock {
-                engine_hash: e,
-                local_hash: l,
-            })
-            .collect()
-    }
-
-    fn keys(local: &[u64]) -> Vec<u64> {
-        let mut k = Vec::new();
-        sequence_hashes(local, PUBLIC_SEED, &mut k);
-        k
-    }
-
-    fn ov(ix: &Index, local: &[u64]) -> Vec<(WorkerRank, Overlap)> {
-        let mut out = Vec::new();
-        ix.overlap(&keys(local), &mut out);
-        out.sort_by_key(|x| x.0);
-        out
-    }
-
-    fn o(device: u32, host_ext: u32, disk_ext: u32) -> Overlap {
-        Overlap {
-            device,
-            host_ext,
-            disk_ext,
-        }
-    }
-
-    /// What the walk would read at `key`'s node: blocks of a whole run
-    /// ahead of it, and the run's last key.
-    fn run_ahead(ix: &Index, key: u64, need: u8) -> Option<(usize, u64)> {
-        let g = ix.nodes[node_shard(key)].0.read();
-        let n = table::probe_likely(g.nodes.buckets(), g.nodes.home_of(key), key)?;
-        ix.runs.ahead(n.holders.run_tag()?, need)
-    }
-
-    #[test]
-    fn long_stores_make_runs_that_stop_at_holes_and_other_tiers() {
-        let local: Vec<u64> = (1..=100).collect();
-        let engine: Vec<u64> = (1001..=1100).collect();
-        let k = keys(&local);
-        let ix = Index::new();
-        ix.store(wr(1), Tier::Device, None, &blocks(&engine, &local))
-            .unwrap();
-        assert_eq!(run_ahead(&ix, k[1], DEV), Some((98, k[99])));
-        assert_eq!(run_ahead(&ix, k[1], HOST), None, "the run is on device");
-        assert_eq!(ov(&ix, &local), vec![(wr(1), o(100, 0, 0))]);
-        // A hole: the run is no longer whole, the walk stops at it.
-        assert_eq!(ix.remove(wr(1), Tier::Device, &[1051]), 1);
-        assert_eq!(run_ahead(&ix, k[1], DEV), None);
-        assert_eq!(ov(&ix, &local), vec![(wr(1), o(50, 0, 0))]);
-        // A second holder untags the nodes it shares.
-        ix.store(wr(1), Tier::Device, Some(1050), &blocks(&[1051], &[51]))
-            .unwrap();
-        ix.store(
-            wr(2),
-            Tier::Device,
-            None,
-            &blocks(&engine[..40], &local[..40]),
-        )
-        .unwrap();
-        assert_eq!(
-            ov(&ix, &local),
-            vec![(wr(1), o(100, 0, 0)), (wr(2), o(40, 0, 0))]
-        );
-        ix.clear(wr(1));
-        ix.clear(wr(2));
-        assert_eq!(ix.runs.heap_bytes(), 0, "no live run keeps its segment");
-
-        // Device for 60 blocks, then host for all 100: the host run's first
-        // 60 nodes are on device too, but a device walk may not pass the
-        // host run.
-        ix.store(
-            wr(1),
-            Tier::Device,
-            None,
-            &blocks(&engine[..60], &local[..60]),
-        )
-        .unwrap();
-        ix.store(wr(1), Tier::HostPinned, None, &blocks(&engine, &local))
-            .unwrap();
-        assert_eq!(run_ahead(&ix, k[1], DEV), None);
-        assert_eq!(run_ahead(&ix, k[1], DEV | HOST), Some((98, k[99])));
-        assert_eq!(ov(&ix, &local), vec![(wr(1), o(60, 40, 0))]);
-        // A store longer than MAX_RUN is cut: 512 blocks, then 88; a tail
-        // shorter than MIN_RUN makes no run.
-        for (n, tail_run) in [(600usize, true), (530, false)] {
-            let ix = Index::new();
-            let local: Vec<u64> = (1..=n as u64).collect();
-            let engine: Vec<u64> = (1..=n as u64).map(|e| e + 10_000).collect();
-            let k = keys(&local);
-            ix.store(wr(1), Tier::Device, None, &blocks(&engine, &local))
-                .unwrap();
-            assert_eq!(run_ahead(&ix, k[1], DEV), Some((510, k[511])));
-            assert_eq!(
-                run_ahead(&ix, k[512], DEV),
-                tail_run.then(|| (n - 513, k[n - 1]))
-            );
-            assert_eq!(ov(&ix, &local), vec![(wr(1), o(n as u32, 0, 0))]);
-            assert_eq!(ix.remove(wr(1), Tier::Device, &[10_000 + n as u64]), 1);
-            assert_eq!(ov(&ix, &local), vec![(wr(1), o(n as u32 - 1, 0, 0))]);
-        }
-        // Stores shorter than MIN_RUN make no run.
-        let ix = Index::new();
-        ix.store(
-            wr(1),
-            Tier::Device,
-            None,
-            &blocks(&engine[..31], &local[..31]),
-        )
-        .unwrap();
-        assert_eq!(run_ahead(&ix, k[1], DEV), None);
-        assert_eq!(ix.runs.heap_bytes(), 0);
-    }
-
-    #[test]
-    fn spec_tier_example_and_cumulative_semantics() {
-        // selection-api §7.3: A device 2; B device 1 + host 3 + disk 2; C host 4.
-        let ix = Index::new();
-        let local: Vec<u64> = (1..=8).collect();
-        ix.store(wr(1), Tier::Device, None, &blocks(&[11, 12], &local[..2]))
-            .unwrap();
-        ix.store(wr(2), Tier::Device, None, &blocks(&[21], &local[..1]))
-            .unwrap();
-        ix.store(
-            wr(2),
-            Tier::HostPinned,
-            Some(21),
-            &blocks(&[22, 23, 24], &local[1..4]),
-        )
-        .unwrap();
-        ix.store(wr(2), Tier::Disk, Some(24), &blocks(&[25], &local[4..5]))
-            .unwrap();
-        ix.store(
-            wr(2),
-            Tier::External,
-            Some(25),
-            &blocks(&[26], &local[5..6]),
-        )
-        .unwrap();
-        ix.store(
-            wr(3),
-            Tier::HostPinned,
-            None,
-            &blocks(&[31, 32, 33, 34], &local[..4]),
-        )
-        .unwrap();
-        assert_eq!(
-            ov(&ix, &local),
-            vec![
-                (wr(1), o(2, 0, 0)),
-                (wr(2), o(1, 3, 2)),
-                (wr(3), o(0, 4, 0))
-            ]
-        );
-        // kv-events §5.7: removing the GPU copy of a chain also on CPU -> (0, 4, 4)
-        let ix = Index::new();
-        ix.store(
-            wr(1),
-            Tier::Device,
-            None,
-            &blocks(&[1, 2, 3, 4], &local[..4]),
-        )
-        .unwrap();
-        ix.store(
-            wr(1),
-            Tier::HostPinned,
-            None,
-            &blocks(&[1, 2, 3, 4], &local[..4]),
-        )
-        .unwrap();
-        assert_eq!(ov(&ix, &local[..4]), vec![(wr(1), o(4, 0, 0))]);
-        assert_eq!(ix.remove(wr(1), Tier::Device, &[1, 2, 3, 4]), 4);
-        assert_eq!(ov(&ix, &local[..4]), vec![(wr(1), o(0, 4, 0))]);
-    }
-
-    #[test]
-    fn store_errors_and_idempotence() {
-        let ix = Index::new();
-        let b = blocks(&[1, 2, 3], &[10, 20, 30]);
-        assert_eq!(
-            ix.store(wr(1), Tier::Device, Some(9), &b),
-            Err(StoreError::UnknownParent)
-        );
-        assert_eq!(
-            ix.store(wr(1), Tier::Device, None, &blocks(&[1, 1], &[10, 20])),
-            Err(StoreError::SelfReference)
-        );
-        assert_eq!(
-            ix.store(wr(1), Tier::Device, Some(2), &blocks(&[1, 2], &[10, 20])),
-            Err(StoreError::SelfReference)
-        );
-        assert_eq!(ix.stats().ranks, 0);
-        assert_eq!(ix.store(wr(1), Tier::Device, None, &b), Ok(3));
-        assert_eq!(ix.store(wr(1), Tier::Device, None, &b), Ok(0));
-        assert_eq!(ix.stats().entries, 3);
-        // The parent may live on another tier of the same rank only.
-        assert_eq!(
-            ix.store(wr(1), Tier::Disk, Some(3), &blocks(&[4], &[40])),
-            Ok(1)
-        );
-        assert_eq!(
-            ix.store(wr(2), Tier::Device, Some(3), &blocks(&[4], &[40])),
-            Err(StoreError::UnknownParent)
-        );
-        assert_eq!(ov(&ix, &[10, 20, 30, 40]), vec![(wr(1), o(3, 0, 1))]);
-    }
-
-    #[test]
-    fn removing_a_root_hides_descendants_and_restoring_it_shows_them() {
-        let ix = Index::new();
-        ix.store(
-            wr(1),
-            Tier::Device,
-            None,
-            &blocks(&[1, 2, 3], &[10, 20, 30]),
-        )
-        .unwrap();
-        ix.store(wr(2), Tier::Device, None, &blocks(&[7], &[10]))
-            .unwrap();
-        assert_eq!(ix.remove(wr(1), Tier::Device, &[1, 99]), 1);
-        assert_eq!(ov(&ix, &[10, 20, 30]), vec![(wr(2), o(1, 0, 0))]);
-        ix.store(wr(1), Tier::Device, None, &blocks(&[1], &[10]))
-            .unwrap();
-        assert_eq!(
-            ov(&ix, &[10, 20, 30]),
-            vec![(wr(1), o(3, 0, 0)), (wr(2), o(1, 0, 0))]
-        );
-    }
-
-    #[test]
-    fn two_engine_hashes_for_one_block_need_two_removals() {
-        let ix = Index::new();
-        ix.store(wr(1), Tier::Device, None, &blocks(&[1], &[10]))
-            .unwrap();
-        assert_eq!(
-            ix.store(wr(1), Tier::Device, None, &blocks(&[2], &[10])),
-            Ok(1)
-        );
-        assert_eq!(ix.stats().entries, 1);
-        ix.remove(wr(1), Tier::Device, &[1]);
-        assert_eq!(ov(&ix, &[10]), vec![(wr(1), o(1, 0, 0))]);
-        ix.remove(wr(1), Tier::Device, &[2]);
-        assert_eq!(ov(&ix, &[10]), vec![]);
-        assert_eq!(ix.stats().nodes, 0);
-    }
-
-    #[test]
-    fn clear_and_remove_worker_touch_only_their_ranks() {
-        let ix = Index::new();
-        let r0 = WorkerRank {
-            worker_id: 5,
-            dp_rank: 0,
-        };
-        let r1 = WorkerRank {
-            worker_id: 5,
-            dp_rank: 1,
-        };
-        for r in [r0, r1, wr(6)] {
-            ix.store(r, Tier::Device, None, &blocks(&[1, 2], &[10, 20]))
-                .unwrap();
-            ix.store(r, Tier::Disk, None, &blocks(&[1, 2], &[10, 20]))
-                .unwrap();
-        }
-        ix.clear(r0);
-        assert_eq!(
-            ov(&ix, &[10, 20]),
-            vec![(r1, o(2, 0, 0)), (wr(6), o(2, 0, 0))]
-        );
-        ix.remove_worker(5);
-        assert_eq!(ov(&ix, &[10, 20]), vec![(wr(6), o(2, 0, 0))]);
-        ix.remove_worker(6);
-        let s = ix.stats();
-        assert_eq!((s.nodes, s.entries, s.ranks), (0, 0, 0));
-    }
-
-    #[test]
-    fn dump_lists_parents_before_children() {
-        let ix = Index::new();
-        ix.store(
-            wr(200),
-            Tier::Device,
-            None,
-            &blocks(&[1001, 1002, 1003], &[1, 2, 3]),
-        )
-        .unwrap();
-        ix.store(wr(200), Tier::Device, Some(1001), &blocks(&[1102], &[5]))
-            .unwrap();
-        ix.store(
-            wr(200),
-            Tier::HostPinned,
-            Some(1003),
-            &blocks(&[2004], &[4]),
-        )
-        .unwrap();
-        let d = ix.dump();
-        assert_eq!(d.len(), 3);
-        assert_eq!(d[0].parent_engine_hash, None);
-        assert_eq!(d[0].blocks.len(), 3);
-        assert_eq!(d[1].parent_engine_hash, Some(1001));
-        assert_eq!(d[2].tier, Tier::HostPinned);
-        assert_eq!(d[2].parent_engine_hash, Some(1003));
-    }
-}
+mod tests;

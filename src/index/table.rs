@@ -18,6 +18,9 @@
 //! no tombstones); Robin Hood order holds, so a lookup stops at the first
 //! bucket whose resident is closer to its home than the probe is.
 
+// Prefetching a bucket address computed ahead of the walk.
+#![allow(unsafe_code)]
+
 use super::holders::Holders;
 
 pub(crate) struct Node {
@@ -57,17 +60,12 @@ pub(crate) struct NodeTable {
     len: usize,
 }
 
-/// Spreads every key bit over the high half, which the range reduction uses
-/// (the shard already fixed the key's own high bits).
-#[inline]
-fn mix(key: u64) -> u64 {
-    let p = (key as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_u128);
-    (p as u64) ^ ((p >> 64) as u64)
-}
-
+/// The key mixed (`crate::fold`) spreads every key bit over the high half,
+/// which the range reduction uses (the shard already fixed the key's own
+/// high bits).
 #[inline]
 fn home(key: u64, n: usize) -> usize {
-    ((mix(key) as u128 * n as u128) >> 64) as usize
+    ((crate::fold::mix(key, 0) as u128 * n as u128) >> 64) as usize
 }
 
 const MIN_CAPACITY: usize = 8;

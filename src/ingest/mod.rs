@@ -2,10 +2,15 @@
 //!
 //! | file | owns |
 //! |---|---|
-//! | `decode.rs` | pure wire decoding: frames, replay replies, msgpack batches |
+//! | `decode/` | pure wire decoding: frames, replay replies, msgpack batches (`cursor.rs`: the msgpack reader) |
 //! | `encode.rs` | the same wire format written out; `testkit` feature only (tests, benches, harness) |
 //! | `apply.rs` | decoded events -> index calls, per-listener filtering rules |
-//! | `subscriber.rs` | the hub: threads, ZMQ sockets, cursors, replay, restarts |
+//! | `spec.rs` | the hub's config, one listener's source, endpoint syntax |
+//! | `hub.rs` | the hub: listener registry, ingest threads, commands to them |
+//! | `poll.rs` | one ingest thread: the poll loop over its listeners' sockets |
+//! | `listener.rs` | one stream's sockets, reading, replay requests, applying |
+//! | `sequence.rs` | the sequence rules (gaps, replay, stale, restarts) as a pure state machine |
+//! | `stats.rs` | counters and the `stats()` snapshot |
 //!
 //! Ingestion never decides routing; it only keeps the index in step with what
 //! each engine reports.
@@ -14,9 +19,13 @@ pub mod apply;
 pub mod decode;
 #[cfg(any(test, feature = "testkit"))]
 pub mod encode;
-pub mod subscriber;
+mod hub;
+mod listener;
+mod poll;
+mod sequence;
+pub mod spec;
+mod stats;
 
-pub use subscriber::{
-    validate_endpoint, IngestConfig, IngestCounters, IngestHub, IngestStats, ListenerSpec,
-    ListenerState, ListenerStats,
-};
+pub use hub::IngestHub;
+pub use spec::{validate_endpoint, EndpointError, EndpointProblem, IngestConfig, ListenerSpec};
+pub use stats::{IngestCounters, IngestStats, ListenerState, ListenerStats};

@@ -1,7 +1,7 @@
 //! Request parsing: JSON bodies -> typed request views, without an
 //! intermediate value tree.
 //!
-//! Owns: the byte cursor (`cursor`), one hand-written visitor per body of the
+//! Owns: the byte cursor (`cursor`) and its internal error (`failure`), one hand-written visitor per body of the
 //! API (`bodies`), the number-array loops (`numbers`, scalar) and their AVX2
 //! and AVX-512 runs (`simd`, the only `unsafe`), and the 400/422/413 classification.
 //! Does not: know HTTP (the HTTP layer adds the axum-style message prefixes and
@@ -16,6 +16,7 @@
 
 mod bodies;
 mod cursor;
+mod failure;
 mod numbers;
 #[cfg(any(test, feature = "testkit"))]
 pub mod oracle;
@@ -104,6 +105,42 @@ pub enum NumberPath {
     Avx2,
     /// AVX-512 runs (AVX2, else scalar, on CPUs without the AVX-512 parts).
     Avx512,
+}
+
+impl NumberPath {
+    /// The token loops this CPU really runs, scalar first, each with the name
+    /// tests print. A vector path is listed only where the CPU has its
+    /// features, so a comparison never runs AVX2 (or the scalar loop) under
+    /// an "avx512" label: [`NumberPath::Avx2`] and [`NumberPath::Avx512`]
+    /// themselves fall back quietly.
+    #[cfg(any(test, feature = "testkit"))]
+    pub fn available() -> Vec<(NumberPath, &'static str)> {
+        let mut paths = vec![(NumberPath::Scalar, "scalar")];
+        if avx2_available() {
+            paths.push((NumberPath::Avx2, "avx2"));
+        }
+        if avx512_available() {
+            paths.push((NumberPath::Avx512, "avx512"));
+        }
+        paths
+    }
+
+    /// [`NumberPath::available`] without the scalar loop: the paths a test
+    /// compares with it.
+    #[cfg(any(test, feature = "testkit"))]
+    pub fn available_vectors() -> Vec<(NumberPath, &'static str)> {
+        Self::available()
+            .into_iter()
+            .filter(|&(p, _)| p != NumberPath::Scalar)
+            .collect()
+    }
+
+    /// "scalar, avx2, avx512": the names of `paths`, for a test to print
+    /// which ran.
+    #[cfg(any(test, feature = "testkit"))]
+    pub fn names(paths: &[(NumberPath, &'static str)]) -> String {
+        paths.iter().map(|&(_, n)| n).collect::<Vec<_>>().join(", ")
+    }
 }
 
 /// Parses request bodies into views; holds the limits and the buffer pools.

@@ -10,12 +10,13 @@
 //! [`super::simd`] converts whole stretches first; it stops at the first
 //! element it does not like and this loop carries on from there.
 
-use super::cursor::{fail, is_ws, Context, Cur, PResult};
+use super::cursor::{is_ws, Cur};
+use super::failure::{fail, Context, PResult};
 use super::simd::{self, Run, Vector};
 use super::ErrorClass;
 
 #[cold]
-fn too_large(offset: usize, max: usize) -> Box<super::cursor::Fail> {
+fn too_large(offset: usize, max: usize) -> Box<super::failure::Fail> {
     fail(
         ErrorClass::TooLarge,
         offset,

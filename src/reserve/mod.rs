@@ -21,7 +21,6 @@
 //! (409 `selection <id> is already reserved or being reserved`,
 //! 404 `reservation <id> not found`).
 
-mod ident;
 pub mod ledger;
 pub mod pending;
 mod table;

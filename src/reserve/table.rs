@@ -13,9 +13,12 @@
 //! answer).
 //!
 //! Positions come from the identity mixed with the ledger's random key
-//! (`ident::mix`), so clients choosing identities cannot choose collisions.
+//! (`crate::fold::mix`), so clients choosing identities cannot choose collisions.
 //! The shard index uses bits 48..56 of the mixed value, the bucket its low
 //! bits.
+
+// Prefetching a bucket address published by the table (`Hint`).
+#![allow(unsafe_code)]
 
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -117,7 +120,7 @@ impl<V> IdentTable<V> {
 
     #[inline]
     fn home(&self, ident: u64) -> usize {
-        super::ident::mix(ident, self.key) as usize & self.mask()
+        crate::fold::mix(ident, self.key) as usize & self.mask()
     }
 
     /// Bucket index of `ident` (`mixed` = `mix(ident, key)`), if present.
@@ -249,8 +252,8 @@ impl<V> IdentTable<V> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::ident::mix;
     use super::*;
+    use crate::fold::mix;
     use std::collections::HashMap;
 
     /// Random inserts and removes over few distinct keys (a small table

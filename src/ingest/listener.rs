@@ -1,0 +1,424 @@
+//! One listener: the SUB socket of one (worker, dp rank)'s KV-event stream,
+//! the DEALER that asks its replay endpoint for a gap, and the applier that
+//! turns its batches into index calls.
+//!
+//! Owns: the sockets and their (re)creation backoff, reading whole
+//! multipart messages, and carrying out what the stream's [`Sequence`]
+//! decides (apply, drop, replay, clear on restart), counting each outcome.
+//! Does not: decide from sequence numbers itself (`sequence.rs`), poll
+//! (`poll.rs`), or outlive its thread's command to stop.
+
+use super::apply::{Applier, ApplyCounts};
+use super::decode::{decode_batch, decode_message, decode_replay_reply, KvBatch, ReplayReply};
+use super::poll::Env;
+use super::sequence::{Catchup, LiveAction, ReplayTiming, Sequence};
+use super::spec::{IngestConfig, ListenerSpec};
+use super::stats::{inc, state_code, Counters, ListenerState, Shared};
+use std::os::fd::RawFd;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Which socket of a listener is in the poll set.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Watch {
+    None,
+    Sub,
+    Dealer,
+}
+
+/// Reusable frame buffers for one multipart message.
+#[derive(Default)]
+pub(super) struct Frames {
+    msgs: Vec<zmq::Message>,
+    /// Valid frames in `msgs`.
+    len: usize,
+    /// Frames beyond `MAX_FRAMES` (counted, not kept).
+    extra: usize,
+}
+
+const MAX_FRAMES: usize = 4;
+
+impl Frames {
+    /// Receives one whole multipart message without blocking. `Ok(false)`
+    /// when nothing is queued.
+    pub(super) fn recv(&mut self, s: &zmq::Socket) -> Result<bool, zmq::Error> {
+        let mut n = 0;
+        self.extra = 0;
+        loop {
+            if n == self.msgs.len() && n < MAX_FRAMES {
+                self.msgs.push(zmq::Message::new());
+            }
+            let flags = if n == 0 { zmq::DONTWAIT } else { 0 };
+            let r = if n < MAX_FRAMES {
+                s.recv(&mut self.msgs[n], flags)
+            } else {
+                // Drain and drop the excess frames.
+                s.recv_bytes(flags).map(|_| ())
+            };
+            match r {
+                Ok(()) => {}
+                Err(zmq::Error::EAGAIN) if n == 0 => return Ok(false),
+                Err(e) => return Err(e),
+            }
+            if n < MAX_FRAMES {
+                n += 1;
+            } else {
+                self.extra += 1;
+            }
+            if !s.get_rcvmore()? {
+                break;
+            }
+        }
+        self.len = n;
+        Ok(true)
+    }
+
+    /// The received frames as byte slices (`len` of them are meaningful).
+    pub(super) fn slices(&self) -> ([&[u8]; MAX_FRAMES], usize) {
+        let mut out: [&[u8]; MAX_FRAMES] = [&[]; MAX_FRAMES];
+        for (o, m) in out.iter_mut().zip(&self.msgs[..self.len]) {
+            *o = m;
+        }
+        (out, self.len)
+    }
+}
+
+pub(super) struct Listener {
+    pub(super) id: u64,
+    spec: ListenerSpec,
+    sub: Option<zmq::Socket>,
+    /// When to (re)try creating the SUB socket after an error.
+    sub_retry: Option<Instant>,
+    sub_backoff: Duration,
+    dealer: Option<zmq::Socket>,
+    /// Cursor, restart detection, the replay in progress and its backoff.
+    seq: Sequence<KvBatch>,
+    applier: Applier,
+    shared: Arc<Shared>,
+    /// The socket in this round's poll set (kind and descriptor), set when
+    /// the set is built; when it changes, the new one is `hot`.
+    pub(super) polled: (Watch, Option<RawFd>),
+    /// Check the watched socket this round without waiting for its
+    /// descriptor: it may hold messages that no longer signal (see
+    /// `poll.rs`).
+    pub(super) hot: bool,
+}
+
+impl Listener {
+    pub(super) fn new(
+        id: u64,
+        worker_id: u64,
+        spec: ListenerSpec,
+        shared: Arc<Shared>,
+        config: &IngestConfig,
+    ) -> Listener {
+        Listener {
+            id,
+            applier: Applier::new(worker_id, spec.dp_rank, spec.block_size),
+            spec,
+            sub: None,
+            sub_retry: Some(Instant::now()),
+            sub_backoff: config.reconnect_min,
+            dealer: None,
+            seq: Sequence::new(ReplayTiming {
+                timeout: config.replay_timeout,
+                backoff_min: config.reconnect_min,
+                backoff_max: config.reconnect_max,
+            }),
+            shared,
+            polled: (Watch::None, None),
+            hot: false,
+        }
+    }
+
+    /// The socket to poll this round, if any.
+    pub(super) fn watched(&self, w: Watch) -> Option<&zmq::Socket> {
+        match w {
+            Watch::Sub => self.sub.as_ref(),
+            Watch::Dealer => self.dealer.as_ref(),
+            Watch::None => None,
+        }
+    }
+
+    pub(super) fn watch(&self) -> Watch {
+        if self.seq.replaying() {
+            if self.dealer.is_some() {
+                Watch::Dealer
+            } else {
+                Watch::None
+            }
+        } else if self.sub.is_some() {
+            Watch::Sub
+        } else {
+            Watch::None
+        }
+    }
+
+    fn set_state(&self) {
+        let s = if self.seq.replaying() {
+            ListenerState::Replaying
+        } else if self.sub.is_some() {
+            ListenerState::Live
+        } else {
+            ListenerState::Connecting
+        };
+        self.shared.state.store(state_code(s), Relaxed);
+    }
+
+    pub(super) fn close(&mut self) {
+        self.sub = None;
+        self.dealer = None;
+        self.seq.abandon();
+    }
+
+    /// Clears every rank this listener fed (it stops, or its source changed).
+    pub(super) fn clear_ranks(&mut self) {
+        self.applier.clear_all(&self.spec.index);
+    }
+
+    /// Timers: socket (re)creation and replay deadlines. Returns the next
+    /// instant this listener needs a tick.
+    pub(super) fn tick(&mut self, now: Instant, env: &Env) -> Option<Instant> {
+        if self.sub_retry.is_some_and(|at| now >= at) {
+            match open_sub(&env.ctx, &self.spec.endpoint, &env.config) {
+                Ok(s) => {
+                    self.sub = Some(s);
+                    self.sub_retry = None;
+                    self.sub_backoff = env.config.reconnect_min;
+                }
+                Err(e) => {
+                    inc(&env.counters.connect_errors);
+                    tracing::warn!(endpoint = %self.spec.endpoint, error = %e,
+                        "cannot open KV-events SUB socket; retrying");
+                    self.sub_retry = Some(now + self.sub_backoff);
+                    self.sub_backoff = (self.sub_backoff * 2).min(env.config.reconnect_max);
+                }
+            }
+            self.set_state();
+        }
+        if self.seq.timed_out(now) {
+            tracing::warn!(endpoint = ?self.spec.replay_endpoint, "replay timed out");
+            self.finish_replay(false, env);
+        }
+        let replay_deadline = self.seq.deadline();
+        match (self.sub_retry, replay_deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Reads and applies up to `max_msgs_per_round` messages; true when the
+    /// SUB was read until it had none left.
+    pub(super) fn drain_sub(&mut self, frames: &mut Frames, env: &Env) -> bool {
+        for _ in 0..env.config.max_msgs_per_round {
+            // A replay started by the previous message parks the SUB.
+            if self.seq.replaying() {
+                return false;
+            }
+            let Some(sub) = &self.sub else { return false };
+            match frames.recv(sub) {
+                Ok(true) => {}
+                Ok(false) => return true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "KV-events recv failed");
+                    return false;
+                }
+            }
+            inc(&env.counters.messages);
+            let (f, n) = frames.slices();
+            let msg = if frames.extra > 0 {
+                Err(None)
+            } else {
+                decode_message(&f[..n]).map_err(Some)
+            };
+            match msg {
+                Ok(m) => self.on_live(m.seq, m.batch, env),
+                Err(e) => {
+                    inc(&env.counters.malformed);
+                    tracing::debug!(worker = self.applier.worker_id(), error = ?e,
+                        frames = n + frames.extra, "malformed KV-event message dropped");
+                }
+            }
+        }
+        false
+    }
+
+    fn on_live(&mut self, seq: u64, batch: KvBatch, env: &Env) {
+        let live = self.seq.live(seq);
+        if live.restart {
+            // A PUB delivers in order, so a non-increasing seq on the live
+            // stream is a new publisher process: forget the old one's blocks.
+            inc(&env.counters.restarts);
+            tracing::info!(endpoint = %self.spec.endpoint, seq, "engine restart detected; clearing");
+            self.applier.clear_all(&self.spec.index);
+        }
+        match live.action {
+            LiveAction::Apply => self.apply(seq, &batch, &env.counters),
+            LiveAction::Stale => inc(&env.counters.stale_dropped),
+            LiveAction::Gap { expected } => {
+                inc(&env.counters.gaps);
+                self.start_replay(expected, seq, batch, env);
+            }
+        }
+    }
+
+    fn apply(&mut self, seq: u64, batch: &KvBatch, counters: &Counters) {
+        let mut c = ApplyCounts::default();
+        self.applier.apply(&self.spec.index, batch, &mut c);
+        counters.add_apply(&c);
+        inc(&counters.batches_applied);
+        self.seq.applied(seq);
+        self.shared.last_seq.store(seq, Relaxed);
+    }
+
+    /// Asks the replay endpoint for `[expected, ..)`; without one (or while
+    /// backing off after a failure) the gap is lost and `batch` applies now.
+    fn start_replay(&mut self, expected: u64, seq: u64, batch: KvBatch, env: &Env) {
+        let now = Instant::now();
+        let backing_off = !self.seq.may_replay(now);
+        if let (Some(ep), false, None) = (&self.spec.replay_endpoint, backing_off, &self.dealer) {
+            match open_dealer(&env.ctx, ep, &env.config) {
+                Ok(d) => self.dealer = Some(d),
+                Err(e) => {
+                    inc(&env.counters.connect_errors);
+                    tracing::warn!(endpoint = %ep, error = %e, "cannot open replay socket");
+                    self.replay_failed(now);
+                }
+            }
+        }
+        let sent = !backing_off
+            && self.dealer.as_ref().is_some_and(|d| {
+                d.send_multipart([&[][..], &expected.to_be_bytes()[..]], zmq::DONTWAIT)
+                    .is_ok()
+            });
+        if !sent {
+            if self.spec.replay_endpoint.is_none() {
+                tracing::debug!(expected, seq, "no replay endpoint configured; batches lost");
+            }
+            inc(&env.counters.gaps_lost);
+            self.apply(seq, &batch, &env.counters);
+            return;
+        }
+        inc(&env.counters.replays_started);
+        self.seq.replay_sent(now, seq, batch);
+        self.set_state();
+    }
+
+    fn replay_failed(&mut self, now: Instant) {
+        // Late replies on the old socket would confuse the next replay.
+        self.dealer = None;
+        self.seq.replay_failed(now);
+    }
+
+    /// Reads up to `max_msgs_per_round` replay replies; true when the DEALER
+    /// was read until it had none left.
+    pub(super) fn drain_dealer(&mut self, frames: &mut Frames, env: &Env) -> bool {
+        let counters = &env.counters;
+        for _ in 0..env.config.max_msgs_per_round {
+            let Some(d) = &self.dealer else { return false };
+            match frames.recv(d) {
+                Ok(true) => {}
+                Ok(false) => return true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "replay recv failed");
+                    self.finish_replay(false, env);
+                    return false;
+                }
+            }
+            self.seq.replay_reply(Instant::now());
+            let (f, n) = frames.slices();
+            let reply = if frames.extra > 0 {
+                None
+            } else {
+                decode_replay_reply(&f[..n]).ok()
+            };
+            match reply {
+                Some(ReplayReply::End) => {
+                    self.finish_replay(true, env);
+                    return false;
+                }
+                Some(ReplayReply::Batch { seq, payload }) => {
+                    match self.seq.catchup(seq) {
+                        Catchup::Stale => {
+                            inc(&counters.stale_dropped);
+                            continue;
+                        }
+                        // The engine's buffer no longer holds [expected, seq).
+                        Catchup::Apply { lost: true } => inc(&counters.gaps_lost),
+                        Catchup::Apply { lost: false } => {}
+                    }
+                    match decode_batch(payload) {
+                        Ok(b) => {
+                            self.apply(seq, &b, counters);
+                            inc(&counters.replayed_batches);
+                        }
+                        Err(_) => {
+                            inc(&counters.malformed);
+                            self.seq.applied(seq);
+                        }
+                    }
+                }
+                None => inc(&counters.malformed),
+            }
+        }
+        false
+    }
+
+    fn finish_replay(&mut self, ok: bool, env: &Env) {
+        let now = Instant::now();
+        let Some(done) = self.seq.finish_replay(ok, now) else {
+            return;
+        };
+        if ok {
+            inc(&env.counters.replays_completed);
+        } else {
+            inc(&env.counters.replays_failed);
+            // Late replies on the old socket would confuse the next replay.
+            self.dealer = None;
+        }
+        match done.catchup {
+            Catchup::Stale => inc(&env.counters.stale_dropped),
+            Catchup::Apply { lost } => {
+                if lost {
+                    inc(&env.counters.gaps_lost);
+                }
+                self.apply(done.seq, &done.batch, &env.counters);
+            }
+        }
+        self.set_state();
+    }
+}
+
+fn open_sub(
+    ctx: &zmq::Context,
+    endpoint: &str,
+    c: &IngestConfig,
+) -> Result<zmq::Socket, zmq::Error> {
+    let s = ctx.socket(zmq::SUB)?;
+    s.set_linger(0)?;
+    s.set_reconnect_ivl(c.reconnect_min.as_millis() as i32)?;
+    s.set_reconnect_ivl_max(c.reconnect_max.as_millis() as i32)?;
+    s.set_rcvhwm(c.rcvhwm)?;
+    s.set_maxmsgsize(c.max_msg_bytes)?;
+    // Keepalive and heartbeats notice a silently dead peer; older libzmq may
+    // lack heartbeats, which only costs that detection.
+    let _ = s.set_tcp_keepalive(1);
+    let _ = s.set_heartbeat_ivl(c.heartbeat_ivl.as_millis() as i32);
+    let _ = s.set_heartbeat_timeout(c.heartbeat_timeout.as_millis() as i32);
+    s.set_subscribe(b"")?;
+    s.connect(endpoint)?;
+    Ok(s)
+}
+
+fn open_dealer(
+    ctx: &zmq::Context,
+    endpoint: &str,
+    c: &IngestConfig,
+) -> Result<zmq::Socket, zmq::Error> {
+    let s = ctx.socket(zmq::DEALER)?;
+    s.set_linger(0)?;
+    s.set_maxmsgsize(c.max_msg_bytes)?;
+    s.connect(endpoint)?;
+    Ok(s)
+}

@@ -1,0 +1,197 @@
+//! Ingestion figures: the public snapshot types ([`IngestStats`] and its
+//! parts), the hub-wide atomic counters behind them, and what each listener
+//! publishes for `stats()` without a round trip to its thread.
+//!
+//! Owns: counting and snapshots. Does not: decide anything (the counters
+//! record what `listener.rs` did).
+
+use super::apply::ApplyCounts;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+
+/// Hub-wide counters (monotonic since start).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IngestCounters {
+    /// Live messages received on SUB sockets.
+    pub messages: u64,
+    /// Batches applied (live and replayed).
+    pub batches_applied: u64,
+    pub apply: ApplyCounts,
+    /// Messages or replay replies that failed to decode (dropped).
+    pub malformed: u64,
+    /// Sequence gaps seen on live streams (incl. a first seq > 0).
+    pub gaps: u64,
+    /// Gaps (or parts of gaps) that could not be recovered.
+    pub gaps_lost: u64,
+    pub replays_started: u64,
+    pub replays_completed: u64,
+    /// Replays abandoned (timeout or socket error).
+    pub replays_failed: u64,
+    pub replayed_batches: u64,
+    /// Engine restarts detected (live seq went backwards).
+    pub restarts: u64,
+    /// Batches at or below the cursor (already applied by a replay).
+    pub stale_dropped: u64,
+    /// Socket creation / connect failures (retried with backoff).
+    pub connect_errors: u64,
+    pub listeners_started: u64,
+    pub listeners_stopped: u64,
+}
+
+/// Where a listener is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListenerState {
+    /// Waiting to (re)create its socket after an error.
+    Connecting,
+    Live,
+    Replaying,
+}
+
+/// A snapshot of one listener.
+#[derive(Debug, Clone)]
+pub struct ListenerStats {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub endpoint: String,
+    pub state: ListenerState,
+    /// Last applied seq (`None` before the first batch).
+    pub last_seq: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct IngestStats {
+    pub counters: IngestCounters,
+    /// Sorted by (worker_id, dp_rank).
+    pub listeners: Vec<ListenerStats>,
+}
+
+#[derive(Default)]
+pub(super) struct Counters {
+    pub(super) messages: AtomicU64,
+    pub(super) batches_applied: AtomicU64,
+    pub(super) events_applied: AtomicU64,
+    pub(super) blocks_stored: AtomicU64,
+    pub(super) blocks_removed: AtomicU64,
+    pub(super) clears: AtomicU64,
+    pub(super) stores_dropped_block_size: AtomicU64,
+    pub(super) stores_dropped_shape: AtomicU64,
+    pub(super) stores_dropped_self_reference: AtomicU64,
+    pub(super) stores_dropped_unknown_parent: AtomicU64,
+    pub(super) stores_dropped_other: AtomicU64,
+    pub(super) events_ignored_group: AtomicU64,
+    pub(super) events_dropped_unknown_medium: AtomicU64,
+    pub(super) events_dropped_non_local: AtomicU64,
+    pub(super) events_dropped_unknown_type: AtomicU64,
+    pub(super) malformed: AtomicU64,
+    pub(super) gaps: AtomicU64,
+    pub(super) gaps_lost: AtomicU64,
+    pub(super) replays_started: AtomicU64,
+    pub(super) replays_completed: AtomicU64,
+    pub(super) replays_failed: AtomicU64,
+    pub(super) replayed_batches: AtomicU64,
+    pub(super) restarts: AtomicU64,
+    pub(super) stale_dropped: AtomicU64,
+    pub(super) connect_errors: AtomicU64,
+    pub(super) listeners_started: AtomicU64,
+    pub(super) listeners_stopped: AtomicU64,
+}
+
+pub(super) fn inc(a: &AtomicU64) {
+    a.fetch_add(1, Relaxed);
+}
+
+fn add(a: &AtomicU64, v: u64) {
+    if v != 0 {
+        a.fetch_add(v, Relaxed);
+    }
+}
+
+impl Counters {
+    pub(super) fn add_apply(&self, c: &ApplyCounts) {
+        add(&self.events_applied, c.events_applied);
+        add(&self.blocks_stored, c.blocks_stored);
+        add(&self.blocks_removed, c.blocks_removed);
+        add(&self.clears, c.clears);
+        add(&self.stores_dropped_block_size, c.stores_dropped_block_size);
+        add(&self.stores_dropped_shape, c.stores_dropped_shape);
+        add(
+            &self.stores_dropped_self_reference,
+            c.stores_dropped_self_reference,
+        );
+        add(
+            &self.stores_dropped_unknown_parent,
+            c.stores_dropped_unknown_parent,
+        );
+        add(&self.stores_dropped_other, c.stores_dropped_other);
+        add(&self.events_ignored_group, c.events_ignored_group);
+        add(
+            &self.events_dropped_unknown_medium,
+            c.events_dropped_unknown_medium,
+        );
+        add(&self.events_dropped_non_local, c.events_dropped_non_local);
+        add(
+            &self.events_dropped_unknown_type,
+            c.events_dropped_unknown_type,
+        );
+    }
+
+    pub(super) fn snapshot(&self) -> IngestCounters {
+        let g = |a: &AtomicU64| a.load(Relaxed);
+        IngestCounters {
+            messages: g(&self.messages),
+            batches_applied: g(&self.batches_applied),
+            apply: ApplyCounts {
+                events_applied: g(&self.events_applied),
+                blocks_stored: g(&self.blocks_stored),
+                blocks_removed: g(&self.blocks_removed),
+                clears: g(&self.clears),
+                stores_dropped_block_size: g(&self.stores_dropped_block_size),
+                stores_dropped_shape: g(&self.stores_dropped_shape),
+                stores_dropped_self_reference: g(&self.stores_dropped_self_reference),
+                stores_dropped_unknown_parent: g(&self.stores_dropped_unknown_parent),
+                stores_dropped_other: g(&self.stores_dropped_other),
+                events_ignored_group: g(&self.events_ignored_group),
+                events_dropped_unknown_medium: g(&self.events_dropped_unknown_medium),
+                events_dropped_non_local: g(&self.events_dropped_non_local),
+                events_dropped_unknown_type: g(&self.events_dropped_unknown_type),
+            },
+            malformed: g(&self.malformed),
+            gaps: g(&self.gaps),
+            gaps_lost: g(&self.gaps_lost),
+            replays_started: g(&self.replays_started),
+            replays_completed: g(&self.replays_completed),
+            replays_failed: g(&self.replays_failed),
+            replayed_batches: g(&self.replayed_batches),
+            restarts: g(&self.restarts),
+            stale_dropped: g(&self.stale_dropped),
+            connect_errors: g(&self.connect_errors),
+            listeners_started: g(&self.listeners_started),
+            listeners_stopped: g(&self.listeners_stopped),
+        }
+    }
+}
+
+/// What a listener publishes for `stats()` without a round trip to its thread.
+pub(super) struct Shared {
+    pub(super) state: AtomicU8,
+    /// `u64::MAX` = no batch yet (a real seq never reaches it: it is the
+    /// replay end marker).
+    pub(super) last_seq: AtomicU64,
+}
+
+pub(super) const NO_SEQ: u64 = u64::MAX;
+
+pub(super) fn state_code(s: ListenerState) -> u8 {
+    match s {
+        ListenerState::Connecting => 0,
+        ListenerState::Live => 1,
+        ListenerState::Replaying => 2,
+    }
+}
+
+pub(super) fn state_of(c: u8) -> ListenerState {
+    match c {
+        1 => ListenerState::Live,
+        2 => ListenerState::Replaying,
+        _ => ListenerState::Connecting,
+    }
+}

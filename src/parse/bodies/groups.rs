@@ -1,0 +1,440 @@
+//! The field groups several bodies share: the flattened prompt, multimodal
+//! routing info, the router config override, session context, worker ranks
+//! and routing constraints.
+//!
+//! Owns: parsing one group into its part of a view. Does not: read a whole
+//! body, or decide the top-level error path (`mod.rs`).
+
+use super::*;
+
+impl Parser {
+    /// One field of the flattened prompt group; `Ok(false)` if `k` is not one.
+    pub(super) fn prompt_field<'a>(
+        &self,
+        cur: &mut Cur<'a>,
+        k: &Key<'a>,
+        p: &mut Prompt<'a>,
+        set: &mut u64,
+    ) -> PResult<bool> {
+        macro_rules! field {
+            ($bit:expr, $name:literal, $e:expr) => {{
+                seen(cur, set, $bit, k, $name).flattened()?;
+                $e.key($name).flattened()?;
+            }};
+        }
+        match &*k.bytes {
+            b"token_ids" => field!(0, "token_ids", {
+                let r: PResult<()> = (|| {
+                    if cur.null()? {
+                        p.token_ids = None;
+                        return Ok(());
+                    }
+                    let mut buf = self.tokens.take();
+                    u32_array(cur, &mut buf, self.limits.max_tokens, self.vector())?;
+                    p.token_ids = Some(buf);
+                    Ok(())
+                })();
+                r
+            }),
+            b"block_hashes" => field!(1, "block_hashes", {
+                self.opt_hashes(cur).map(|h| p.block_hashes = h)
+            }),
+            b"sequence_hashes" => field!(2, "sequence_hashes", {
+                self.opt_hashes(cur).map(|h| p.sequence_hashes = h)
+            }),
+            b"isl_tokens" => field!(3, "isl_tokens", {
+                opt_u64(cur, "usize").map(|v| p.isl_tokens = v)
+            }),
+            b"lora_name" => field!(4, "lora_name", opt_str(cur).map(|v| p.lora_name = v)),
+            b"cache_salt" => field!(5, "cache_salt", opt_str(cur).map(|v| p.cache_salt = v)),
+            b"is_eagle" => field!(6, "is_eagle", opt_bool(cur).map(|v| p.is_eagle = v)),
+            b"block_mm_infos" => field!(7, "block_mm_infos", {
+                block_mm_infos(cur).map(|v| p.block_mm_infos = v)
+            }),
+            b"mm_routing_info" => field!(8, "mm_routing_info", {
+                self.mm_routing_info(cur).map(|v| p.mm_routing_info = v)
+            }),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    pub(super) fn opt_hashes(&self, cur: &mut Cur<'_>) -> PResult<Option<Pooled<u64>>> {
+        if cur.null()? {
+            return Ok(None);
+        }
+        let mut buf = self.hashes.take();
+        i64_array(cur, &mut buf, self.limits.max_tokens)?;
+        Ok(Some(buf))
+    }
+
+    pub(super) fn mm_routing_info(&self, cur: &mut Cur<'_>) -> PResult<Option<MmRoutingInfo>> {
+        if cur.null()? {
+            return Ok(None);
+        }
+        cur.object_start("struct MmRoutingInfo")?;
+        let mut m = MmRoutingInfo::default();
+        let mut set = 0u64;
+        object(cur, |cur, k| match &*k.bytes {
+            b"routing_token_ids" => {
+                seen(cur, &mut set, 0, &k, "routing_token_ids")?;
+                let r: PResult<()> = (|| {
+                    if cur.null()? {
+                        m.routing_token_ids = None;
+                        return Ok(());
+                    }
+                    let mut buf = self.tokens.take();
+                    u32_array(cur, &mut buf, self.limits.max_tokens, self.vector())?;
+                    m.routing_token_ids = Some(buf);
+                    Ok(())
+                })();
+                r.key("routing_token_ids")
+            }
+            b"block_mm_infos" => {
+                seen(cur, &mut set, 1, &k, "block_mm_infos")?;
+                m.block_mm_infos = block_mm_infos(cur).key("block_mm_infos")?;
+                Ok(())
+            }
+            _ => skip(cur, &k),
+        })?;
+        Ok(Some(m))
+    }
+
+    /// `router_config_override`, validated (§7.5) once the object is read.
+    pub(super) fn router_config_override(
+        cur: &mut Cur<'_>,
+    ) -> PResult<Option<RouterConfigOverride>> {
+        if cur.null()? {
+            return Ok(None);
+        }
+        cur.object_start("struct RouterConfigOverride")?;
+        let mut o = RouterConfigOverride::default();
+        let mut set = 0u64;
+        object(cur, |cur, k| {
+            macro_rules! f64_field {
+                ($bit:expr, $name:literal, $slot:expr) => {{
+                    seen(cur, &mut set, $bit, &k, $name)?;
+                    $slot = opt_f64(cur, "f64").key($name)?;
+                }};
+            }
+            match &*k.bytes {
+                b"overlap_score_credit" => {
+                    f64_field!(0, "overlap_score_credit", o.overlap_score_credit)
+                }
+                b"prefill_load_scale" => f64_field!(1, "prefill_load_scale", o.prefill_load_scale),
+                b"overlap_score_weight" => {
+                    f64_field!(2, "overlap_score_weight", o.overlap_score_weight)
+                }
+                b"router_temperature" => f64_field!(3, "router_temperature", o.router_temperature),
+                b"shared_cache_multiplier" => {
+                    f64_field!(4, "shared_cache_multiplier", o.shared_cache_multiplier)
+                }
+                b"assume_kv_reuse" => {
+                    seen(cur, &mut set, 5, &k, "assume_kv_reuse")?;
+                    o.assume_kv_reuse = opt_bool(cur).key("assume_kv_reuse")?;
+                }
+                b"track_prefill_tokens" => {
+                    seen(cur, &mut set, 6, &k, "track_prefill_tokens")?;
+                    o.track_prefill_tokens = opt_bool(cur).key("track_prefill_tokens")?;
+                }
+                _ => skip(cur, &k)?,
+            }
+            Ok(())
+        })?;
+        let msg = o.check().err();
+        match msg {
+            Some(m) => Err(cur.shape(cur.i, m.to_string())),
+            None => Ok(Some(o)),
+        }
+    }
+}
+
+/// `block_mm_infos`: per block `null` or `{"mm_objects":[{"mm_hash","offsets"}]}`.
+pub(super) fn block_mm_infos(cur: &mut Cur<'_>) -> PResult<Option<Vec<Option<Vec<u64>>>>> {
+    if cur.null()? {
+        return Ok(None);
+    }
+    let mut out = Vec::new();
+    if cur.array_start()? {
+        return Ok(Some(out));
+    }
+    loop {
+        let n = out.len();
+        let entry = block_mm_info(cur).index(n)?;
+        out.push(entry);
+        if !cur.array_next()? {
+            return Ok(Some(out));
+        }
+    }
+}
+
+pub(super) fn block_mm_info(cur: &mut Cur<'_>) -> PResult<Option<Vec<u64>>> {
+    if cur.peek() == Some(b']') {
+        return Err(cur.syntax_here("trailing comma"));
+    }
+    if cur.null()? {
+        return Ok(None);
+    }
+    cur.object_start("struct BlockExtraInfo")?;
+    let mut objs: Option<Vec<u64>> = None;
+    let mut set = 0u64;
+    object(cur, |cur, k| match &*k.bytes {
+        b"mm_objects" => {
+            seen(cur, &mut set, 0, &k, "mm_objects")?;
+            let mut hashes = Vec::new();
+            let r: PResult<()> = (|| {
+                if cur.array_start()? {
+                    return Ok(());
+                }
+                loop {
+                    let n = hashes.len();
+                    hashes.push(mm_object(cur).index(n)?);
+                    if !cur.array_next()? {
+                        return Ok(());
+                    }
+                }
+            })();
+            r.key("mm_objects")?;
+            objs = Some(hashes);
+            Ok(())
+        }
+        _ => skip(cur, &k),
+    })?;
+    objs.ok_or_else(|| missing(cur, "mm_objects")).map(Some)
+}
+
+pub(super) fn mm_object(cur: &mut Cur<'_>) -> PResult<u64> {
+    if cur.peek() == Some(b']') {
+        return Err(cur.syntax_here("trailing comma"));
+    }
+    cur.object_start("struct BlockMmObjectInfo")?;
+    let mut hash = None;
+    let mut offsets = false;
+    let mut set = 0u64;
+    object(cur, |cur, k| match &*k.bytes {
+        b"mm_hash" => {
+            seen(cur, &mut set, 0, &k, "mm_hash")?;
+            hash = Some(cur.u64_val("u64").key("mm_hash")?);
+            Ok(())
+        }
+        b"offsets" => {
+            seen(cur, &mut set, 1, &k, "offsets")?;
+            offset_pairs(cur).key("offsets")?;
+            offsets = true;
+            Ok(())
+        }
+        _ => skip(cur, &k),
+    })?;
+    let hash = hash.ok_or_else(|| missing(cur, "mm_hash"))?;
+    if !offsets {
+        return Err(missing(cur, "offsets"));
+    }
+    Ok(hash)
+}
+
+/// `[[start, end], ...]` of usize, validated and dropped (not hashed).
+pub(super) fn offset_pairs(cur: &mut Cur<'_>) -> PResult<()> {
+    if cur.array_start()? {
+        return Ok(());
+    }
+    let mut n = 0;
+    loop {
+        let r: PResult<()> = (|| {
+            if cur.peek() == Some(b']') {
+                return Err(cur.syntax_here("trailing comma"));
+            }
+            match cur.ws() {
+                Some(b'[') => cur.enter()?,
+                _ => return Err(cur.wrong_type("a tuple of size 2")),
+            }
+            let mut len = 0;
+            if !cur.array_empty()? {
+                loop {
+                    if cur.peek() == Some(b']') {
+                        return Err(cur.syntax_here("trailing comma"));
+                    }
+                    if len == 2 {
+                        // serde_json's tuple visitor stops after two elements
+                        // and then finds more: a syntax error there.
+                        return Err(cur.syntax_here("trailing characters"));
+                    }
+                    cur.u64_val("usize").index(len)?;
+                    len += 1;
+                    if !cur.array_next()? {
+                        break;
+                    }
+                }
+            }
+            if len != 2 {
+                return Err(cur.shape(
+                    cur.i,
+                    format!("invalid length {len}, expected a tuple of size 2"),
+                ));
+            }
+            Ok(())
+        })();
+        r.index(n)?;
+        n += 1;
+        if !cur.array_next()? {
+            return Ok(());
+        }
+    }
+}
+
+pub(super) fn session_context<'a>(cur: &mut Cur<'a>) -> PResult<Option<SessionContext<'a>>> {
+    if cur.null()? {
+        return Ok(None);
+    }
+    cur.object_start("struct SessionContext")?;
+    let mut id = None;
+    let mut parent = None;
+    let mut fin = None;
+    let mut trig = None;
+    let mut set = 0u64;
+    object(cur, |cur, k| {
+        match &*k.bytes {
+            b"session_id" => {
+                seen(cur, &mut set, 0, &k, "session_id")?;
+                id = Some(cur.str_val().key("session_id")?);
+            }
+            b"parent_session_id" => {
+                seen(cur, &mut set, 1, &k, "parent_session_id")?;
+                parent = opt_str(cur).key("parent_session_id")?;
+            }
+            b"session_final" => {
+                seen(cur, &mut set, 2, &k, "session_final")?;
+                fin = opt_bool(cur).key("session_final")?;
+            }
+            b"input_trigger" => {
+                seen(cur, &mut set, 3, &k, "input_trigger")?;
+                let r: PResult<Option<InputTrigger>> = (|| {
+                    if cur.null()? {
+                        return Ok(None);
+                    }
+                    let v = enum_val(cur, &["user_message", "tool_result", "other"])?;
+                    Ok(Some(match v {
+                        0 => InputTrigger::UserMessage,
+                        1 => InputTrigger::ToolResult,
+                        _ => InputTrigger::Other,
+                    }))
+                })();
+                trig = r.key("input_trigger")?;
+            }
+            _ => skip(cur, &k)?,
+        }
+        Ok(())
+    })?;
+    let session_id = id.ok_or_else(|| missing(cur, "session_id"))?;
+    Ok(Some(SessionContext {
+        session_id,
+        parent_session_id: parent,
+        session_final: fin,
+        input_trigger: trig,
+    }))
+}
+
+/// `pinned_worker` (`dp_rank` required) and `affinity_target` (optional).
+pub(super) fn worker_rank(
+    cur: &mut Cur<'_>,
+    name: &str,
+    rank_required: bool,
+) -> PResult<Option<(u64, Option<u32>)>> {
+    if cur.null()? {
+        return Ok(None);
+    }
+    cur.object_start(name)?;
+    let mut wid = None;
+    let mut rank = None;
+    let mut set = 0u64;
+    object(cur, |cur, k| {
+        match &*k.bytes {
+            b"worker_id" => {
+                seen(cur, &mut set, 0, &k, "worker_id")?;
+                wid = Some(cur.u64_val("u64").key("worker_id")?);
+            }
+            b"dp_rank" => {
+                seen(cur, &mut set, 1, &k, "dp_rank")?;
+                rank = if rank_required {
+                    Some(cur.u32_val().key("dp_rank")?)
+                } else {
+                    opt_u32(cur).key("dp_rank")?
+                };
+            }
+            _ => skip(cur, &k)?,
+        }
+        Ok(())
+    })?;
+    let wid = wid.ok_or_else(|| missing(cur, "worker_id"))?;
+    if rank_required && rank.is_none() {
+        return Err(missing(cur, "dp_rank"));
+    }
+    Ok(Some((wid, rank)))
+}
+
+pub(super) fn routing_constraints<'a>(
+    cur: &mut Cur<'a>,
+) -> PResult<Option<RoutingConstraints<'a>>> {
+    if cur.null()? {
+        return Ok(None);
+    }
+    cur.object_start("struct RoutingConstraints")?;
+    let mut rc = RoutingConstraints::default();
+    let mut set = 0u64;
+    object(cur, |cur, k| {
+        match &*k.bytes {
+            b"required_taints" => {
+                seen(cur, &mut set, 0, &k, "required_taints")?;
+                rc.required_taints = str_array(cur).key("required_taints")?;
+            }
+            b"preferred_taints" => {
+                seen(cur, &mut set, 1, &k, "preferred_taints")?;
+                let r: PResult<()> = (|| {
+                    cur.object_start("a map")?;
+                    object(cur, |cur, k| {
+                        let name: Str<'a> = match &k.bytes {
+                            Cow::Borrowed(b) => Cow::Borrowed(std::str::from_utf8(b).unwrap_or("")),
+                            Cow::Owned(b) => Cow::Owned(String::from_utf8_lossy(b).into_owned()),
+                        };
+                        let w = cur.f64_val("f32").key_with(|| k.text())? as f32;
+                        // A map: a repeated key replaces the earlier weight.
+                        match rc.preferred_taints.iter_mut().find(|(n, _)| *n == name) {
+                            Some(slot) => slot.1 = w,
+                            None => rc.preferred_taints.push((name, w)),
+                        }
+                        Ok(())
+                    })
+                })();
+                r.key("preferred_taints")?;
+            }
+            _ => skip(cur, &k)?,
+        }
+        Ok(())
+    })?;
+    Ok(Some(rc))
+}
+
+pub(super) fn str_array<'a>(cur: &mut Cur<'a>) -> PResult<Vec<Str<'a>>> {
+    let mut out = Vec::new();
+    if cur.array_start()? {
+        return Ok(out);
+    }
+    loop {
+        if cur.peek() == Some(b']') {
+            return Err(cur.syntax_here("trailing comma"));
+        }
+        let n = out.len();
+        out.push(cur.str_val().index(n)?);
+        if !cur.array_next()? {
+            return Ok(out);
+        }
+    }
+}
+
+pub(super) fn opt_u64_vec(cur: &mut Cur<'_>) -> PResult<Option<Vec<u64>>> {
+    if cur.null()? {
+        return Ok(None);
+    }
+    let mut v = Vec::new();
+    u64_array(cur, &mut v, usize::MAX)?;
+    Ok(Some(v))
+}

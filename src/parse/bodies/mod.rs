@@ -1,0 +1,455 @@
+//! One visitor per request body (`selection-api.md` §4): keys are matched on
+//! their raw bytes, known fields parsed straight into the view, unknown fields
+//! skipped by the validating skipper, duplicates rejected.
+//!
+//! Error paths follow the reference (axum + serde_path_to_error + a
+//! `#[serde(flatten)]`ed prompt): a shape error in a prompt field has no path
+//! and is reported at the end of the top-level object; every other error names
+//! its dotted field path.
+//!
+//! Files: this one holds the shared helpers and one entry point per body;
+//! `groups.rs` the field groups several bodies share; `workers.rs` the
+//! worker bodies.
+
+use super::cursor::{Cur, Key, Num};
+use super::failure::{fail, Context, PResult};
+use super::numbers::{i64_array, u32_array, u64_array};
+use super::*;
+use crate::pool::Pooled;
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+/// Rejects the second occurrence of a field (serde: `duplicate field `x``,
+/// reported just after the key).
+#[inline]
+fn seen(cur: &Cur<'_>, set: &mut u64, bit: u32, key: &Key<'_>, name: &str) -> PResult<()> {
+    if *set & (1 << bit) != 0 {
+        return Err(cur.shape(key.end, format!("duplicate field `{name}`")));
+    }
+    *set |= 1 << bit;
+    Ok(())
+}
+
+#[cold]
+fn missing(cur: &Cur<'_>, name: &str) -> Box<failure::Fail> {
+    cur.shape(cur.i, format!("missing field `{name}`"))
+}
+
+fn opt_str<'a>(cur: &mut Cur<'a>) -> PResult<Option<Str<'a>>> {
+    if cur.null()? {
+        return Ok(None);
+    }
+    cur.str_val().map(Some)
+}
+
+fn opt_string(cur: &mut Cur<'_>) -> PResult<Option<String>> {
+    Ok(opt_str(cur)?.map(Cow::into_owned))
+}
+
+fn opt_bool(cur: &mut Cur<'_>) -> PResult<Option<bool>> {
+    if cur.null()? {
+        return Ok(None);
+    }
+    cur.bool_val().map(Some)
+}
+
+fn opt_u32(cur: &mut Cur<'_>) -> PResult<Option<u32>> {
+    if cur.null()? {
+        return Ok(None);
+    }
+    cur.u32_val().map(Some)
+}
+
+fn opt_u64(cur: &mut Cur<'_>, expected: &str) -> PResult<Option<u64>> {
+    if cur.null()? {
+        return Ok(None);
+    }
+    cur.u64_val(expected).map(Some)
+}
+
+fn opt_f64(cur: &mut Cur<'_>, expected: &str) -> PResult<Option<f64>> {
+    if cur.null()? {
+        return Ok(None);
+    }
+    cur.f64_val(expected).map(Some)
+}
+
+/// The top-level `{` of a body.
+fn top_object(cur: &mut Cur<'_>, name: &str) -> PResult<()> {
+    match cur.ws() {
+        Some(b'{') => cur.enter(),
+        _ => Err(cur.wrong_type(&format!("struct {name}"))),
+    }
+}
+
+/// serde's `unknown variant` text.
+fn unknown_variant(v: &str, variants: &[&str]) -> String {
+    let list = match variants {
+        [a] => format!("expected `{a}`"),
+        [a, b] => format!("expected `{a}` or `{b}`"),
+        _ => {
+            let all: Vec<String> = variants.iter().map(|v| format!("`{v}`")).collect();
+            format!("expected one of {}", all.join(", "))
+        }
+    };
+    format!("unknown variant `{v}`, {list}")
+}
+
+/// A unit enum: a variant name string, or serde_json's map form
+/// `{"variant": null}`. Any other token is serde_json's syntax error
+/// `expected value`. `null` is handled by the caller.
+fn enum_val(cur: &mut Cur<'_>, variants: &[&str]) -> PResult<usize> {
+    let variant = |cur: &Cur<'_>, s: &str| {
+        variants
+            .iter()
+            .position(|v| *v == s)
+            .ok_or_else(|| cur.shape(cur.i, unknown_variant(s, variants)))
+    };
+    match cur.ws() {
+        Some(b'"') => {
+            let s = cur.string()?;
+            variant(cur, &s)
+        }
+        Some(b'{') => {
+            cur.enter()?;
+            let Some(k) = cur.next_key(true)? else {
+                return Err(cur.syntax_here("expected value"));
+            };
+            let idx = variant(cur, &k.text())?;
+            if !cur.null()? {
+                return Err(cur.wrong_type("unit"));
+            }
+            match cur.ws() {
+                Some(b'}') => {
+                    cur.i += 1;
+                    cur.leave();
+                    Ok(idx)
+                }
+                None => Err(cur.eof("an object")),
+                Some(_) => Err(cur.syntax_here("expected value")),
+            }
+        }
+        None => Err(cur.eof("a value")),
+        Some(_) => Err(cur.syntax_here("expected value")),
+    }
+}
+
+/// Iterates an object's entries: `f(cur, key)` must consume the value.
+fn object<'a>(
+    cur: &mut Cur<'a>,
+    mut f: impl FnMut(&mut Cur<'a>, Key<'a>) -> PResult<()>,
+) -> PResult<()> {
+    let mut first = true;
+    while let Some(k) = cur.next_key(first)? {
+        first = false;
+        f(cur, k)?;
+    }
+    Ok(())
+}
+
+/// Skips an unknown field's value, naming it in a syntax error's path.
+#[inline]
+fn skip(cur: &mut Cur<'_>, k: &Key<'_>) -> PResult<()> {
+    cur.skip_value().key_with(|| k.text())
+}
+
+trait KeyWith<T> {
+    fn key_with(self, f: impl FnOnce() -> String) -> PResult<T>;
+}
+impl<T> KeyWith<T> for PResult<T> {
+    #[inline]
+    fn key_with(self, f: impl FnOnce() -> String) -> PResult<T> {
+        self.map_err(|mut e| {
+            e.segs.push(failure::Seg::Key(f()));
+            e
+        })
+    }
+}
+
+mod groups;
+mod workers;
+
+use groups::*;
+use workers::worker_fields;
+
+// ---- bodies ------------------------------------------------------------
+
+impl Parser {
+    /// Runs a body visitor, then requires only whitespace after the value.
+    /// On a shape error the whole body is re-validated: invalid JSON anywhere
+    /// makes it a syntax error instead.
+    fn run<'a, T>(
+        &self,
+        body: &'a [u8],
+        f: impl FnOnce(&mut Cur<'a>) -> PResult<T>,
+    ) -> Result<T, ParseError> {
+        let mut cur = Cur::new(body, self.limits.max_depth);
+        let res = f(&mut cur).and_then(|v| match cur.ws() {
+            None => Ok(v),
+            Some(_) => Err(cur.syntax_here("trailing characters")),
+        });
+        res.map_err(|e| self.finish_error(body, *e))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn finish_error(&self, body: &[u8], e: failure::Fail) -> ParseError {
+        if e.class != ErrorClass::Shape {
+            return e.finish(body, None);
+        }
+        let mut v = Cur::new(body, self.limits.max_depth);
+        let checked = v.skip_value().and_then(|_| {
+            let end = v.i;
+            match v.ws() {
+                None => Ok(end),
+                Some(_) => Err(v.syntax_here("trailing characters")),
+            }
+        });
+        match checked {
+            Ok(end) => e.finish(body, Some(end)),
+            Err(se) => se.finish(body, None),
+        }
+    }
+
+    /// POST /select and /select_and_reserve (§4.8, §4.9).
+    pub fn select<'a>(
+        &self,
+        body: &'a [u8],
+        kind: SelectKind,
+    ) -> Result<SelectRequest<'a>, ParseError> {
+        let name = match kind {
+            SelectKind::Select => "SelectRequest",
+            SelectKind::SelectAndReserve => "SelectAndReserveRequest",
+        };
+        self.run(body, |cur| {
+            top_object(cur, name)?;
+            let mut r = SelectRequest::default();
+            let mut set = 0u64;
+            let mut pset = 0u64;
+            let mut first = true;
+            while let Some(k) = cur.next_key(first)? {
+                first = false;
+                if self.prompt_field(cur, &k, &mut r.prompt, &mut pset)? {
+                    continue;
+                }
+                macro_rules! field {
+                    ($bit:expr, $name:literal, $slot:expr, $e:expr) => {{
+                        seen(cur, &mut set, $bit, &k, $name)?;
+                        $slot = $e.key($name)?;
+                    }};
+                }
+                match &*k.bytes {
+                    b"model_name" => field!(0, "model_name", r.model_name, opt_str(cur)),
+                    b"routing_group" => field!(1, "routing_group", r.routing_group, opt_str(cur)),
+                    b"selection_id" => field!(2, "selection_id", r.selection_id, opt_str(cur)),
+                    b"session_id" => field!(3, "session_id", r.session_id, opt_str(cur)),
+                    b"session_context" => field!(
+                        4,
+                        "session_context",
+                        r.session_context,
+                        session_context(cur)
+                    ),
+                    b"router_config_override" => field!(
+                        5,
+                        "router_config_override",
+                        r.router_config_override,
+                        Self::router_config_override(cur)
+                    ),
+                    b"expected_output_tokens" => field!(
+                        6,
+                        "expected_output_tokens",
+                        r.expected_output_tokens,
+                        opt_u32(cur)
+                    ),
+                    b"priority_jump" => {
+                        field!(7, "priority_jump", r.priority_jump, opt_f64(cur, "f64"))
+                    }
+                    b"strict_priority" => {
+                        field!(8, "strict_priority", r.strict_priority, opt_u32(cur))
+                    }
+                    b"pinned_worker" => field!(
+                        9,
+                        "pinned_worker",
+                        r.pinned_worker,
+                        worker_rank(cur, "struct PinnedWorker", true).map(|o| {
+                            o.map(|(worker_id, r)| PinnedWorker {
+                                worker_id,
+                                dp_rank: r.unwrap_or(0),
+                            })
+                        })
+                    ),
+                    b"affinity_target" => field!(
+                        10,
+                        "affinity_target",
+                        r.affinity_target,
+                        worker_rank(cur, "struct AffinityTarget", false).map(|o| {
+                            o.map(|(worker_id, dp_rank)| AffinityTarget { worker_id, dp_rank })
+                        })
+                    ),
+                    b"allowed_worker_ids" => field!(
+                        11,
+                        "allowed_worker_ids",
+                        r.allowed_worker_ids,
+                        opt_u64_vec(cur)
+                    ),
+                    b"routing_constraints" => field!(
+                        12,
+                        "routing_constraints",
+                        r.routing_constraints,
+                        routing_constraints(cur)
+                    ),
+                    b"advisory" if kind == SelectKind::Select => {
+                        field!(13, "advisory", r.advisory, opt_bool(cur))
+                    }
+                    _ => skip(cur, &k)?,
+                }
+            }
+            Ok(r)
+        })
+    }
+
+    /// POST /reservations, both forms (§4.10).
+    pub fn reservation<'a>(&self, body: &'a [u8]) -> Result<ReservationRequest<'a>, ParseError> {
+        self.run(body, |cur| {
+            top_object(cur, "CreateReservationRequest")?;
+            let mut r = ReservationRequest::default();
+            let mut sid = None;
+            let mut set = 0u64;
+            let mut pset = 0u64;
+            let mut first = true;
+            while let Some(k) = cur.next_key(first)? {
+                first = false;
+                if self.prompt_field(cur, &k, &mut r.prompt, &mut pset)? {
+                    continue;
+                }
+                macro_rules! field {
+                    ($bit:expr, $name:literal, $slot:expr, $e:expr) => {{
+                        seen(cur, &mut set, $bit, &k, $name)?;
+                        $slot = $e.key($name)?;
+                    }};
+                }
+                match &*k.bytes {
+                    b"selection_id" => {
+                        field!(0, "selection_id", sid, cur.str_val().map(Some))
+                    }
+                    b"model_name" => field!(1, "model_name", r.model_name, opt_str(cur)),
+                    b"routing_group" => field!(2, "routing_group", r.routing_group, opt_str(cur)),
+                    b"worker_id" => field!(3, "worker_id", r.worker_id, opt_u64(cur, "u64")),
+                    b"dp_rank" => field!(4, "dp_rank", r.dp_rank, opt_u32(cur)),
+                    b"router_config_override" => field!(
+                        5,
+                        "router_config_override",
+                        r.router_config_override,
+                        Self::router_config_override(cur)
+                    ),
+                    b"expected_output_tokens" => field!(
+                        6,
+                        "expected_output_tokens",
+                        r.expected_output_tokens,
+                        opt_u32(cur)
+                    ),
+                    b"effective_prefill_tokens" => field!(
+                        7,
+                        "effective_prefill_tokens",
+                        r.effective_prefill_tokens,
+                        opt_u64(cur, "usize")
+                    ),
+                    b"track_prefill_tokens" => field!(
+                        8,
+                        "track_prefill_tokens",
+                        r.track_prefill_tokens,
+                        opt_bool(cur)
+                    ),
+                    _ => skip(cur, &k)?,
+                }
+            }
+            r.selection_id = sid.ok_or_else(|| missing(cur, "selection_id"))?;
+            Ok(r)
+        })
+    }
+
+    /// POST /reservations/{id}/output_block.
+    pub fn output_block(&self, body: &[u8]) -> Result<OutputBlockRequest, ParseError> {
+        self.run(body, |cur| {
+            top_object(cur, "OutputBlockRequest")?;
+            let mut r = OutputBlockRequest::default();
+            let mut set = 0u64;
+            object(cur, |cur, k| {
+                match &*k.bytes {
+                    b"decay_fraction" => {
+                        seen(cur, &mut set, 0, &k, "decay_fraction")?;
+                        r.decay_fraction = opt_f64(cur, "f64").key("decay_fraction")?;
+                    }
+                    _ => skip(cur, &k)?,
+                }
+                Ok(())
+            })?;
+            Ok(r)
+        })
+    }
+
+    /// POST /potential_loads and POST /overlap_scores (§4.13, §4.14).
+    pub fn prompt_query<'a>(&self, body: &'a [u8]) -> Result<PromptQueryRequest<'a>, ParseError> {
+        self.run(body, |cur| {
+            top_object(cur, "PromptQueryRequest")?;
+            let mut r = PromptQueryRequest::default();
+            let mut set = 0u64;
+            let mut pset = 0u64;
+            let mut first = true;
+            while let Some(k) = cur.next_key(first)? {
+                first = false;
+                if self.prompt_field(cur, &k, &mut r.prompt, &mut pset)? {
+                    continue;
+                }
+                match &*k.bytes {
+                    b"model_name" => {
+                        seen(cur, &mut set, 0, &k, "model_name")?;
+                        r.model_name = opt_str(cur).key("model_name")?;
+                    }
+                    b"routing_group" => {
+                        seen(cur, &mut set, 1, &k, "routing_group")?;
+                        r.routing_group = opt_str(cur).key("routing_group")?;
+                    }
+                    b"router_config_override" => {
+                        seen(cur, &mut set, 2, &k, "router_config_override")?;
+                        r.router_config_override =
+                            Self::router_config_override(cur).key("router_config_override")?;
+                    }
+                    _ => skip(cur, &k)?,
+                }
+            }
+            Ok(r)
+        })
+    }
+
+    /// POST /workers: `worker_id` required.
+    pub fn worker_upsert(&self, body: &[u8]) -> Result<WorkerFields, ParseError> {
+        self.run(body, |cur| worker_fields(cur, true))
+    }
+
+    /// PATCH /workers/{id}: `worker_id`, `model_name` and `routing_group` are
+    /// skipped like unknown fields.
+    pub fn worker_patch(&self, body: &[u8]) -> Result<WorkerFields, ParseError> {
+        self.run(body, |cur| worker_fields(cur, false))
+    }
+
+    /// `{"endpoint": string}` of the replica_sync routes.
+    pub fn peer_endpoint<'a>(&self, body: &'a [u8]) -> Result<Str<'a>, ParseError> {
+        self.run(body, |cur| {
+            top_object(cur, "PeerRequest")?;
+            let mut ep = None;
+            let mut set = 0u64;
+            object(cur, |cur, k| {
+                match &*k.bytes {
+                    b"endpoint" => {
+                        seen(cur, &mut set, 0, &k, "endpoint")?;
+                        ep = Some(cur.str_val().key("endpoint")?);
+                    }
+                    _ => skip(cur, &k)?,
+                }
+                Ok(())
+            })?;
+            ep.ok_or_else(|| missing(cur, "endpoint"))
+        })
+    }
+}
