@@ -146,7 +146,9 @@ impl App {
                 },
             )
             .map_err(|e| super::reservations::reserve_error(e, id))?;
-            if let Some(session) = session_of(req) {
+            // A pinned booking binds nothing, as in Dynamo (observed: no
+            // binding message for a pinned booking with a session id).
+            if let (Some(session), None) = (session_of(req), req.pinned_worker) {
                 self.bind_session(&model, &group, session, choice.wr);
             }
         } else if let Some(id) = &selection_id {

@@ -466,10 +466,19 @@ impl Mesh {
     }
 
     /// Forgets journal entries the ledger no longer has (expired, or their
-    /// worker left).
+    /// worker left or became incomplete). Local ones are announced as `Free`,
+    /// so peers do not keep load this replica dropped.
     fn prune(&self, ledger: &Ledger) {
         for s in self.shards.iter() {
-            s.lock().retain(|id, _| ledger.is_booked(id));
+            s.lock().retain(|id, h| {
+                if ledger.is_booked(id) {
+                    return true;
+                }
+                if h.origin == self.router_id {
+                    self.publish(h.event(id, self.router_id, SlotData::Free));
+                }
+                false
+            });
         }
     }
 
