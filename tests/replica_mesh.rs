@@ -645,6 +645,16 @@ async fn affinity_target_steers_and_bindings_idle_out() {
         )
         .await;
     assert_eq!(r.json()["worker_id"], 12);
+    // A pinned booking binds nothing (as in Dynamo).
+    assert_eq!(s.metric("kvselect_session_bindings").await, 1);
+    let r = s
+        .post(
+            "/select_and_reserve",
+            &json!({"model_name": "m", "session_id": "P", "pinned_worker": {"worker_id": 14, "dp_rank": 0}, "token_ids": [1]}),
+        )
+        .await;
+    assert_eq!(r.json()["worker_id"], 14);
+    assert_eq!(s.metric("kvselect_session_bindings").await, 1);
     // A target that is not a candidate is ignored.
     let r = s
         .post(
@@ -682,4 +692,42 @@ async fn affinity_target_steers_and_bindings_idle_out() {
         seen.insert(r.json()["worker_id"].as_u64().unwrap());
     }
     assert!(seen.len() > 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_booking_a_replica_drops_without_a_free_is_freed_on_its_peers() {
+    let a = replica(mesh_config(0.0)).await;
+    let b = replica(mesh_config(0.0)).await;
+    full_mesh(&[&a, &b]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = a
+        .post(
+            "/select_and_reserve",
+            &json!({"model_name": "m", "selection_id": "w", "token_ids": tokens(1, 64),
+                    "pinned_worker": {"worker_id": 12, "dp_rank": 0}}),
+        )
+        .await;
+    assert_eq!(r.status, 200);
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            b.load_row("m", 12, 0).await["active_requests"] == 1
+        })
+        .await
+    );
+    // Worker 12 leaves A only: A drops the booking without a lifecycle
+    // call, and tells B.
+    assert_eq!(a.delete("/workers/12").await.status, 200);
+    assert!(
+        eventually(Duration::from_secs(4), || async {
+            b.load_row("m", 12, 0).await["active_requests"] == 0
+        })
+        .await
+    );
+    let r = b
+        .post(
+            "/select_and_reserve",
+            &json!({"model_name": "m", "selection_id": "w", "token_ids": [1]}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "the id is free again: {}", r.text());
 }
