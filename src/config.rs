@@ -24,6 +24,12 @@ pub const DEFAULT_OVERLAP_SCORE_CREDIT: f64 = 1.0;
 pub const DEFAULT_HOST_CACHE_HIT_WEIGHT: f64 = 0.75;
 pub const DEFAULT_DISK_CACHE_HIT_WEIGHT: f64 = 0.25;
 pub const DEFAULT_PREFILL_LOAD_SCALE: f64 = 1.0;
+/// `--session-affinity-ttl-secs` must lie in this range (Dynamo's).
+pub const SESSION_AFFINITY_TTL_RANGE: std::ops::RangeInclusive<f64> = 1.0..=31_536_000.0;
+/// Heartbeat period of the replica mesh.
+pub const DEFAULT_REPLICA_HEARTBEAT: Duration = crate::mesh::DEFAULT_HEARTBEAT;
+/// A silent kvselect replica's bookings are dropped after this.
+pub const DEFAULT_REPLICA_LEASE: Duration = crate::mesh::DEFAULT_LEASE;
 /// `worker_load.prefill_token_capacity` when a worker has no
 /// `max_num_batched_tokens`.
 pub const DEFAULT_PREFILL_TOKEN_CAPACITY: u64 = 10_000_000;
@@ -90,8 +96,14 @@ pub struct Cli {
     pub router_assume_kv_reuse: bool,
     #[arg(long)]
     pub no_router_assume_kv_reuse: bool,
-    /// Tracking-hash algorithm for booking identities.
-    #[arg(long, value_enum, default_value = "public-xxh3-v1")]
+    /// Tracking-hash algorithm for booking identities
+    /// (env DYN_ROUTER_TRACKING_HASH).
+    #[arg(
+        long,
+        env = "DYN_ROUTER_TRACKING_HASH",
+        value_enum,
+        default_value = "public-xxh3-v1"
+    )]
     pub router_tracking_hash: TrackingHash,
     /// File holding exactly 32 raw key bytes (keyed-xxh3-v1).
     #[arg(long)]
@@ -99,6 +111,18 @@ pub struct Cli {
     /// Key id mixed into keyed tracking hashes.
     #[arg(long)]
     pub router_tracking_key_id: Option<String>,
+    /// Bind the replica mesh's ZeroMQ PUB on this port (on --host) and
+    /// share bookings and session bindings with peer replicas.
+    #[arg(long)]
+    pub replica_sync_port: Option<u16>,
+    /// Comma-separated ZeroMQ PUB endpoints of peer replicas
+    /// (`tcp://host:port`) to subscribe to; needs --replica-sync-port.
+    #[arg(long, value_delimiter = ',', requires = "replica_sync_port")]
+    pub replica_sync_peers: Vec<String>,
+    /// Pin each session to the (worker, rank) its booking went to, for this
+    /// many seconds after its last use (1..=31536000).
+    #[arg(long)]
+    pub session_affinity_ttl_secs: Option<f64>,
 }
 
 /// The cost model's weights (§1.2, §7.3). Defaults from the environment; a
@@ -221,6 +245,15 @@ pub struct Config {
     pub router: RouterConfig,
     /// `Some` in keyed-xxh3-v1 mode.
     pub tracking_key: Option<TrackingKey>,
+    /// The replica mesh's PUB port (0 picks one); `None`: no mesh.
+    pub replica_sync_port: Option<u16>,
+    pub replica_sync_peers: Vec<String>,
+    pub session_affinity_ttl: Option<Duration>,
+    pub replica_heartbeat: Duration,
+    pub replica_lease: Duration,
+    /// Fault injection for tests: the share of received replica messages
+    /// dropped on purpose. No flag sets it; it stays 0 in the server.
+    pub replica_fault_drop_rate: f64,
 }
 
 impl Default for Config {
@@ -240,6 +273,12 @@ impl Default for Config {
             booking_expiry: Duration::from_secs_f64(DEFAULT_BOOKING_EXPIRY_SECS),
             router: RouterConfig::default(),
             tracking_key: None,
+            replica_sync_port: None,
+            replica_sync_peers: Vec::new(),
+            session_affinity_ttl: None,
+            replica_heartbeat: DEFAULT_REPLICA_HEARTBEAT,
+            replica_lease: DEFAULT_REPLICA_LEASE,
+            replica_fault_drop_rate: 0.0,
         }
     }
 }
@@ -355,6 +394,17 @@ impl Config {
                 ));
             }
         }
+        for peer in &cli.replica_sync_peers {
+            crate::ingest::validate_endpoint(peer)
+                .map_err(|e| format!("--replica-sync-peers: {e}"))?;
+        }
+        let session_affinity_ttl = match cli.session_affinity_ttl_secs {
+            None => None,
+            Some(t) if SESSION_AFFINITY_TTL_RANGE.contains(&t) => Some(Duration::from_secs_f64(t)),
+            Some(_) => {
+                return Err("session_affinity_ttl_secs must be between 1 and 31536000".into())
+            }
+        };
         Ok(Config {
             addr: SocketAddr::new(cli.host, cli.port),
             threads,
@@ -370,6 +420,10 @@ impl Config {
             booking_expiry: secs("booking-expiry-secs", cli.booking_expiry_secs)?,
             router,
             tracking_key,
+            replica_sync_port: cli.replica_sync_port,
+            replica_sync_peers: cli.replica_sync_peers,
+            session_affinity_ttl,
+            ..Config::default()
         })
     }
 }
@@ -431,6 +485,94 @@ mod tests {
         assert_eq!(
             e,
             "router tracking key options require router_tracking_hash=keyed-xxh3-v1"
+        );
+    }
+
+    #[test]
+    fn replica_sync_flags_with_dynamo_meaning() {
+        let c = Config::from_cli_with_env(cli(&[]), |_| None).unwrap();
+        assert_eq!(c.replica_sync_port, None);
+        assert!(c.replica_sync_peers.is_empty());
+        assert_eq!(c.session_affinity_ttl, None);
+        assert_eq!(c.replica_fault_drop_rate, 0.0);
+        let c = Config::from_cli_with_env(
+            cli(&[
+                "--replica-sync-port",
+                "19097",
+                "--replica-sync-peers",
+                "tcp://127.0.0.1:19098,tcp://10.0.0.2:19097",
+            ]),
+            |_| None,
+        )
+        .unwrap();
+        assert_eq!(c.replica_sync_port, Some(19097));
+        assert_eq!(
+            c.replica_sync_peers,
+            vec!["tcp://127.0.0.1:19098", "tcp://10.0.0.2:19097"]
+        );
+        // Peers without a port are refused; peers need the port flag (clap).
+        let e = Config::from_cli_with_env(
+            cli(&[
+                "--replica-sync-port",
+                "1",
+                "--replica-sync-peers",
+                "tcp://h",
+            ]),
+            |_| None,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("invalid ZMQ endpoint `tcp://h`: missing port"),
+            "{e}"
+        );
+        let e = Cli::try_parse_from(["kvselect", "--replica-sync-peers", "tcp://h:1"]).unwrap_err();
+        assert!(e
+            .to_string()
+            .contains("the following required arguments were not provided"));
+        assert!(Cli::try_parse_from(["kvselect", "--replica-sync-port", "70000"]).is_err());
+    }
+
+    #[test]
+    fn session_affinity_ttl_range() {
+        for ok in ["1", "30", "0.5e1", "31536000"] {
+            let c = Config::from_cli_with_env(cli(&["--session-affinity-ttl-secs", ok]), |_| None)
+                .unwrap();
+            let want: f64 = ok.parse().unwrap();
+            assert_eq!(c.session_affinity_ttl, Some(Duration::from_secs_f64(want)));
+        }
+        for bad in ["0", "0.5", "31536001", "NaN", "inf"] {
+            let e = Config::from_cli_with_env(cli(&["--session-affinity-ttl-secs", bad]), |_| None)
+                .unwrap_err();
+            assert_eq!(
+                e,
+                "session_affinity_ttl_secs must be between 1 and 31536000"
+            );
+        }
+    }
+
+    #[test]
+    fn tracking_hash_from_the_environment() {
+        // clap reads DYN_ROUTER_TRACKING_HASH itself; the parsed value is
+        // what Config validates.
+        let e = Config::from_cli_with_env(
+            Cli::try_parse_from(["kvselect"])
+                .map(|mut c| {
+                    c.router_tracking_hash = TrackingHash::Keyed;
+                    c
+                })
+                .unwrap(),
+            |_| None,
+        )
+        .unwrap_err();
+        assert_eq!(e, "keyed-xxh3-v1 requires router_tracking_key_file");
+        let cmd = <Cli as clap::CommandFactory>::command();
+        let arg = cmd
+            .get_arguments()
+            .find(|a| a.get_id() == "router_tracking_hash")
+            .unwrap();
+        assert_eq!(
+            arg.get_env().and_then(|e| e.to_str()),
+            Some("DYN_ROUTER_TRACKING_HASH")
         );
     }
 

@@ -16,6 +16,7 @@
 //! | `select` | the cost model and the choice (pure) | lock or do I/O |
 //! | `catalog` | worker records, lifecycle, partitions, readiness; keeps ingest, index and load in step | parse JSON |
 //! | `app` | one method per route: typed view in, typed reply out, errors as `ServiceError` | know HTTP or JSON |
+//! | `mesh` | the replica mesh (Dynamo's wire format, sequence numbers, repair, leases) and session affinity | sit on the request path beyond a queue push |
 //! | `metrics` | /metrics text | |
 //! | `json_out` | i64 arrays of replies, byte for byte serde_json's (AVX-512 or `itoa`) | allocate beyond its reserve |
 //! | `http` | accept loop, routing, 415/413, the one error -> status mapping | hold domain state |
@@ -34,6 +35,7 @@ pub mod catalog;
 pub mod config;
 pub mod http;
 pub mod json_out;
+pub mod mesh;
 pub mod metrics;
 pub mod recovery;
 pub mod runtime;

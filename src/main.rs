@@ -54,6 +54,7 @@ async fn run(config: Config) -> Result<(), String> {
             Err(e) => tracing::warn!(%peer, error = %e, "index recovery from peer failed"),
         }
     }
+    app.start_mesh(Some(local))?;
     let sweeper = {
         let app = Arc::clone(&app);
         tokio::spawn(async move {

@@ -50,6 +50,13 @@ pub fn render(app: &App) -> String {
         "kvselect_pending_selection_bytes {}",
         app.pending.bytes()
     );
+    if let Some(aff) = &app.affinity {
+        let _ = writeln!(out, "# TYPE kvselect_session_bindings gauge");
+        let _ = writeln!(out, "kvselect_session_bindings {}", aff.len());
+    }
+    if let Some(mesh) = app.mesh() {
+        crate::mesh::render_metrics(mesh, &mut out);
+    }
     let c = app.catalog.hub().stats().counters;
     for (name, v) in [
         ("messages", c.messages),

@@ -30,12 +30,15 @@ pub use selection::{OverlapOut, Selection, WorkerLoad};
 use crate::catalog::{partition_display, Catalog, Snapshot, WorkerRecord};
 use crate::config::Config;
 use crate::ingest::{IngestConfig, IngestHub};
+use crate::mesh::affinity::Affinity;
+use crate::mesh::{BookMeta, BookingsSnapshot, Mesh, MeshConfig};
 use crate::parse::{ParseError, ParseLimits, Parser, WorkerFields};
 use crate::pool::Pool;
-use crate::reserve::{Ledger, PendingCache};
+use crate::reserve::{Booking, Ledger, PendingCache, ReserveError};
 use serde::Serialize;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 /// Why a request failed, in domain terms. The HTTP layer
@@ -104,6 +107,10 @@ pub struct App {
     pub catalog: Catalog,
     pub ledger: Arc<Ledger>,
     pub pending: PendingCache,
+    /// Session bindings, with `--session-affinity-ttl-secs`.
+    pub affinity: Option<Affinity>,
+    /// The replica mesh, once [`App::start_mesh`] started it.
+    mesh: OnceLock<Arc<Mesh>>,
     shutting_down: AtomicBool,
 }
 
@@ -134,6 +141,8 @@ impl App {
             catalog: Catalog::new(hub, Arc::clone(&ledger)),
             ledger,
             parser,
+            affinity: config.session_affinity_ttl.map(Affinity::new),
+            mesh: OnceLock::new(),
             config,
             shutting_down: AtomicBool::new(false),
         }
@@ -183,15 +192,124 @@ impl App {
         self.catalog.list(model, group)
     }
 
-    /// /replica_sync/register_peer and deregister_peer: kvselect runs no
-    /// replica mesh, so every peer change is refused.
-    pub fn replica_sync_peer(&self, _endpoint: &str) -> ServiceResult<()> {
-        Err(ServiceError::ReplicaSyncDisabled)
+    // ----- the replica mesh -----
+
+    /// Starts the replica mesh when the configuration asks for one
+    /// (`replica_sync_port`); `http` is where this process serves
+    /// `GET /replica_sync/bookings` for peers' repairs (`None`: not served).
+    /// Returns the mesh, or `None` when replica sync is off. Idempotent.
+    pub fn start_mesh(
+        self: &Arc<Self>,
+        http: Option<SocketAddr>,
+    ) -> Result<Option<Arc<Mesh>>, String> {
+        let Some(port) = self.config.replica_sync_port else {
+            return Ok(None);
+        };
+        if let Some(m) = self.mesh.get() {
+            return Ok(Some(Arc::clone(m)));
+        }
+        let mesh = Mesh::start(
+            self,
+            MeshConfig {
+                port,
+                bind_ip: self.config.addr.ip(),
+                peers: self.config.replica_sync_peers.clone(),
+                heartbeat: self.config.replica_heartbeat,
+                lease: self.config.replica_lease,
+                drop_rate: self.config.replica_fault_drop_rate,
+            },
+        )?;
+        mesh.set_http(http.map(|a| format!("http://{a}")));
+        let _ = self.mesh.set(Arc::clone(&mesh));
+        Ok(Some(mesh))
     }
 
-    /// Drops bookings older than the expiry; the server calls it periodically.
+    pub fn mesh(&self) -> Option<&Arc<Mesh>> {
+        self.mesh.get()
+    }
+
+    /// GET /replica_sync/peers: sorted, `[]` when replica sync is off.
+    pub fn replica_peers(&self) -> Vec<String> {
+        self.mesh().map(|m| m.peers()).unwrap_or_default()
+    }
+
+    /// POST /replica_sync/register_peer: `true` when the peer is new.
+    pub fn register_replica_peer(&self, endpoint: &str) -> ServiceResult<bool> {
+        let m = self.mesh().ok_or(ServiceError::ReplicaSyncDisabled)?;
+        m.register_peer(endpoint).map_err(ServiceError::Invalid)
+    }
+
+    /// POST /replica_sync/deregister_peer.
+    pub fn deregister_replica_peer(&self, endpoint: &str) -> ServiceResult<()> {
+        let m = self.mesh().ok_or(ServiceError::ReplicaSyncDisabled)?;
+        if m.deregister_peer(endpoint) {
+            Ok(())
+        } else {
+            // A 404 like an unknown reservation (no variant of its own, so
+            // that every binding's error mapping stays as it is).
+            Err(ServiceError::UnknownSelection("peer not found".into()))
+        }
+    }
+
+    /// GET /replica_sync/bookings: this replica's live bookings, for peers'
+    /// repairs.
+    pub fn replica_bookings(&self) -> ServiceResult<BookingsSnapshot> {
+        let m = self.mesh().ok_or(ServiceError::ReplicaSyncDisabled)?;
+        Ok(m.snapshot(&self.ledger))
+    }
+
+    /// Books through the mesh (which publishes) when it runs.
+    fn book(&self, b: Booking<'_>, meta: &BookMeta<'_>) -> Result<(), ReserveError> {
+        match self.mesh() {
+            Some(m) => m.book_local(&self.ledger, b, meta),
+            None => self.ledger.book(b),
+        }
+    }
+
+    fn ledger_prefill_complete(&self, id: &str) -> Result<(), ReserveError> {
+        match self.mesh() {
+            Some(m) => m.prefill_local(&self.ledger, id),
+            None => self.ledger.prefill_complete(id),
+        }
+    }
+
+    fn ledger_free(&self, id: &str) -> Result<(), ReserveError> {
+        match self.mesh() {
+            Some(m) => m.free_local(&self.ledger, id),
+            None => self.ledger.free(id).map(drop),
+        }
+    }
+
+    /// Binds `session` to `wr` (with session affinity on) and tells the
+    /// mesh when the binding is new or moved.
+    fn bind_session(&self, model: &str, group: &str, session: &str, wr: crate::index::WorkerRank) {
+        let Some(aff) = &self.affinity else {
+            return;
+        };
+        if let Some(b) = aff.bind(model, group, session, wr, Instant::now()) {
+            if let Some(m) = self.mesh() {
+                m.publish_binding(crate::mesh::wire::Binding {
+                    model_name: model.to_string(),
+                    routing_group: group.to_string(),
+                    session_id: session.to_string(),
+                    worker_id: b.wr.worker_id,
+                    dp_rank: b.wr.dp_rank,
+                    sequence: b.sequence,
+                    writer_id: m.router_id(),
+                    seq: None,
+                });
+            }
+        }
+    }
+
+    /// Drops bookings older than the expiry and idle session bindings; the
+    /// server calls it periodically.
     pub fn sweep(&self) -> usize {
-        self.ledger.sweep_expired(Instant::now())
+        let now = Instant::now();
+        if let Some(a) = &self.affinity {
+            a.sweep(now);
+        }
+        self.ledger.sweep_expired(now)
     }
 }
 

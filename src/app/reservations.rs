@@ -5,6 +5,7 @@
 use super::{App, ServiceError};
 use crate::catalog::partition_display;
 use crate::index::WorkerRank;
+use crate::mesh::BookMeta;
 use crate::parse::ReservationRequest;
 use crate::reserve::{Booking, ClaimError, PendingKey, PendingSelection, ReserveError};
 use serde::Serialize;
@@ -68,16 +69,26 @@ impl App {
                 } else {
                     0
                 };
-                self.ledger
-                    .book(Booking {
+                self.book(
+                    Booking {
                         selection_id: id,
                         wr: sel.wr,
                         identities: &sel.identities,
                         form: sel.identity_form,
                         prefill_tokens: prefill,
                         now: Instant::now(),
-                    })
-                    .map_err(|e| reserve_error(e, id))?;
+                    },
+                    &BookMeta {
+                        model_name: &key.model_name,
+                        routing_group: &key.routing_group,
+                        block_size: view.partition.block_size,
+                        lora_name: sel.lora_name.as_deref(),
+                        track_prefill_tokens: sel.track_prefill_tokens,
+                        effective_prefill_tokens: sel.effective_prefill_tokens,
+                        expected_output_tokens: sel.expected_output_tokens,
+                    },
+                )
+                .map_err(|e| reserve_error(e, id))?;
                 Ok((sel.wr, rank.endpoint.to_string()))
             });
         match claimed {
@@ -136,23 +147,32 @@ impl App {
             Some(eff) if track => eff,
             _ => 0,
         };
-        self.ledger
-            .book(Booking {
+        self.book(
+            Booking {
                 selection_id: id,
                 wr,
                 identities: &prompt.identities,
                 form: prompt.form,
                 prefill_tokens: prefill,
                 now: Instant::now(),
-            })
-            .map_err(|e| reserve_error(e, id))?;
+            },
+            &BookMeta {
+                model_name: &key.model_name,
+                routing_group: &key.routing_group,
+                block_size: view.partition.block_size,
+                lora_name: req.prompt.lora_name.as_deref(),
+                track_prefill_tokens: track,
+                effective_prefill_tokens: req.effective_prefill_tokens.unwrap_or(0),
+                expected_output_tokens: req.expected_output_tokens,
+            },
+        )
+        .map_err(|e| reserve_error(e, id))?;
         let endpoint = rank.endpoint.to_string();
         Ok(reservation(key, wr, endpoint))
     }
 
     pub fn prefill_complete(&self, id: &str) -> Result<(), ServiceError> {
-        self.ledger
-            .prefill_complete(id)
+        self.ledger_prefill_complete(id)
             .map_err(|e| reserve_error(e, id))
     }
 
@@ -171,10 +191,7 @@ impl App {
     }
 
     pub fn free_reservation(&self, id: &str) -> Result<(), ServiceError> {
-        self.ledger
-            .free(id)
-            .map(drop)
-            .map_err(|e| reserve_error(e, id))
+        self.ledger_free(id).map_err(|e| reserve_error(e, id))
     }
 }
 

@@ -7,6 +7,7 @@ use super::{App, ServiceError};
 use crate::catalog::{PartitionView, RankInfo};
 use crate::config::{RouterConfig, DEFAULT_PREFILL_TOKEN_CAPACITY};
 use crate::index::{Overlap, WorkerRank};
+use crate::mesh::BookMeta;
 use crate::parse::{SelectKind, SelectRequest};
 use crate::pool::Pooled;
 use crate::reserve::{Booking, PendingKey, PendingSelection, RankLoad};
@@ -100,7 +101,7 @@ impl App {
             req.router_config_override.as_ref(),
         )?;
         let prompt = self.normalize(&req.prompt, &view, &cfg, true)?;
-        let choice = self.choose(req, &view, &cfg, &prompt)?;
+        let choice = self.choose(req, &model, &group, &view, &cfg, &prompt)?;
         let bs = view.partition.block_size;
 
         let mut identities = prompt.identities;
@@ -121,8 +122,8 @@ impl App {
         }
         if reserved {
             let id = selection_id.as_deref().unwrap_or_default();
-            self.ledger
-                .book(Booking {
+            self.book(
+                Booking {
                     selection_id: id,
                     wr: choice.wr,
                     identities: &identities,
@@ -133,8 +134,23 @@ impl App {
                         0
                     },
                     now: Instant::now(),
-                })
-                .map_err(|e| super::reservations::reserve_error(e, id))?;
+                },
+                &BookMeta {
+                    model_name: &model,
+                    routing_group: &group,
+                    block_size: bs,
+                    lora_name: req.prompt.lora_name.as_deref(),
+                    track_prefill_tokens: track,
+                    effective_prefill_tokens: choice.effective_prefill_tokens,
+                    expected_output_tokens: req.expected_output_tokens,
+                },
+            )
+            .map_err(|e| super::reservations::reserve_error(e, id))?;
+            // A pinned booking binds nothing, as in Dynamo (observed: no
+            // binding message for a pinned booking with a session id).
+            if let (Some(session), None) = (session_of(req), req.pinned_worker) {
+                self.bind_session(&model, &group, session, choice.wr);
+            }
         } else if let Some(id) = &selection_id {
             self.pending.insert(
                 PendingKey {
@@ -194,15 +210,18 @@ impl App {
         })
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn choose(
         &self,
         req: &SelectRequest<'_>,
+        model: &str,
+        group: &str,
         view: &PartitionView,
         cfg: &RouterConfig,
         prompt: &Normalized,
     ) -> Result<Choice, ServiceError> {
         let constraints = req.routing_constraints.as_ref();
-        let candidates: Vec<&RankInfo> = view
+        let mut candidates: Vec<&RankInfo> = view
             .ranks
             .iter()
             .filter(|r| {
@@ -224,6 +243,27 @@ impl App {
             .collect();
         if candidates.is_empty() {
             return Err(ServiceError::NoCandidates);
+        }
+        // Steering (§7.6): a bound session goes to its target, else an
+        // `affinity_target`, while that target is a candidate; otherwise
+        // the cost decides (and a booking re-binds the session).
+        let bound = self.affinity.as_ref().and_then(|a| {
+            let s = session_of(req)?;
+            a.lookup(model, group, s, Instant::now())
+                .map(|wr| (wr.worker_id, Some(wr.dp_rank)))
+        });
+        let target = bound.or_else(|| req.affinity_target.map(|t| (t.worker_id, t.dp_rank)));
+        if let Some((worker_id, dp_rank)) = target {
+            let steered: Vec<&RankInfo> = candidates
+                .iter()
+                .copied()
+                .filter(|r| {
+                    r.wr.worker_id == worker_id && dp_rank.is_none_or(|d| d == r.wr.dp_rank)
+                })
+                .collect();
+            if !steered.is_empty() {
+                candidates = steered;
+            }
         }
         let mut hits = Vec::new();
         view.partition.index.overlap(&prompt.seq_keys, &mut hits);
@@ -282,6 +322,14 @@ impl App {
             hits,
         })
     }
+}
+
+/// The request's session: `session_context.session_id` wins over `session_id`.
+fn session_of<'r>(req: &'r SelectRequest<'_>) -> Option<&'r str> {
+    req.session_context
+        .as_ref()
+        .map(|c| c.session_id.as_ref())
+        .or(req.session_id.as_deref())
 }
 
 /// The chosen worker's matched prefix over all its ranks, in tokens: the

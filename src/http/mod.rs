@@ -200,15 +200,28 @@ impl Server {
             ["dump"] => not_allowed(GET_HEAD),
             ["metrics"] if get => Ok((StatusCode::OK, crate::metrics::render(app).into_bytes())),
             ["metrics"] => not_allowed(GET_HEAD),
-            ["replica_sync", "peers"] if get => Ok((StatusCode::OK, b"[]".to_vec())),
+            ["replica_sync", "peers"] if get => ok(&app.replica_peers()),
             ["replica_sync", "peers"] => not_allowed(GET_HEAD),
-            ["replica_sync", "register_peer" | "deregister_peer"] if post => {
+            ["replica_sync", "register_peer"] if post => {
                 let body = self.body(req).await?;
                 let endpoint = app.parser.peer_endpoint(&body)?;
-                app.replica_sync_peer(&endpoint)?;
+                let status = if app.register_replica_peer(&endpoint)? {
+                    StatusCode::CREATED
+                } else {
+                    StatusCode::OK
+                };
+                Ok((status, br#"{"status":"ok"}"#.to_vec()))
+            }
+            ["replica_sync", "deregister_peer"] if post => {
+                let body = self.body(req).await?;
+                let endpoint = app.parser.peer_endpoint(&body)?;
+                app.deregister_replica_peer(&endpoint)?;
                 status_ok()
             }
             ["replica_sync", "register_peer" | "deregister_peer"] => not_allowed("POST"),
+            // kvselect's repair source: this replica's live bookings.
+            ["replica_sync", "bookings"] if get => ok(&app.replica_bookings()?),
+            ["replica_sync", "bookings"] => not_allowed(GET_HEAD),
             _ => Err(HttpError::RouteNotFound),
         }
     }
