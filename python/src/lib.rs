@@ -159,6 +159,7 @@ impl SelectionService {
         session_affinity_ttl_secs = None,
         booking_expiry_secs = None,
         max_tokens = None,
+        replica_sync_host = "127.0.0.1",
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -171,6 +172,7 @@ impl SelectionService {
         session_affinity_ttl_secs: Option<f64>,
         booking_expiry_secs: Option<f64>,
         max_tokens: Option<usize>,
+        replica_sync_host: &str,
     ) -> PyResult<Self> {
         if let Some(t) = session_affinity_ttl_secs {
             if !(1.0..=31_536_000.0).contains(&t) {
@@ -184,23 +186,31 @@ impl SelectionService {
                 "replica_sync_peers requires replica_sync_port",
             ));
         }
-        if replica_sync_port.is_some() || session_affinity_ttl_secs.is_some() {
-            // The server refuses the same options at start-up: neither the
-            // replica mesh nor session affinity is implemented yet.
-            return Err(PyValueError::new_err(
-                "kvselect does not implement the replica mesh or session affinity yet: \
-                 replica_sync_port, replica_sync_peers and session_affinity_ttl_secs must be None",
-            ));
-        }
         if indexer_threads == 0 {
             return Err(PyValueError::new_err("indexer_threads must be at least 1"));
         }
         let router = RouterConfig::from_env_with(|k| std::env::var(k).ok())
             .map_err(PyValueError::new_err)?;
+        let replica_sync_peers = replica_sync_peers.unwrap_or_default();
+        for peer in &replica_sync_peers {
+            kvselect::ingest::validate_endpoint(peer)
+                .map_err(|e| PyValueError::new_err(format!("replica_sync_peers: {e}")))?;
+        }
+        let host: std::net::IpAddr = replica_sync_host.parse().map_err(|_| {
+            PyValueError::new_err(format!(
+                "replica_sync_host `{replica_sync_host}` is not an IP address"
+            ))
+        })?;
         let mut config = Config {
+            // The mesh's PUB binds on the address's IP; there is no HTTP
+            // listener in the embedded form.
+            addr: std::net::SocketAddr::new(host, 0),
             ingest_threads: indexer_threads,
             indexer_peers: indexer_peers.unwrap_or_default(),
             router,
+            replica_sync_port,
+            replica_sync_peers,
+            session_affinity_ttl: session_affinity_ttl_secs.map(Duration::from_secs_f64),
             ..Config::default()
         };
         if let Some(c) = selection_cache.map(|c| c.get().clone()) {
@@ -233,13 +243,19 @@ impl SelectionService {
             }
         }
         let peers = config.indexer_peers.clone();
-        let app = py.detach(|| {
-            let app = Arc::new(App::new(config));
-            if !peers.is_empty() {
-                recover(&app, &peers);
-            }
-            app
-        });
+        let app = py
+            .detach(|| -> Result<Arc<App>, String> {
+                let app = Arc::new(App::new(config));
+                if !peers.is_empty() {
+                    recover(&app, &peers);
+                }
+                // The same replica mesh as the server's --replica-sync-port; no
+                // HTTP listener here, so peers cannot repair from this replica
+                // over HTTP (they still get its live messages).
+                app.start_mesh(None)?;
+                Ok(app)
+            })
+            .map_err(|e| PyValueError::new_err(format!("cannot start the replica mesh: {e}")))?;
         let sweeper = Arc::new(Sweeper {
             stop: Mutex::new(false),
             wake: Condvar::new(),
@@ -448,6 +464,9 @@ impl SelectionService {
                 let _ = t.join();
             }
             self.app.catalog.hub().shutdown();
+            if let Some(m) = self.app.mesh() {
+                m.stop();
+            }
         });
     }
 

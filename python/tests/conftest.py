@@ -68,11 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "kvselect_only: kvselect extension, skipped under the Dynamo reference"
     )
-    config.addinivalue_line(
-        "markers",
-        "mesh: replica mesh or session affinity, checked against the reference only "
-        "until kvselect has them",
-    )
+
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -80,17 +76,11 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items) -> None:
-    if IMPL == "dynamo":
-        skip = pytest.mark.skip(reason="kvselect-only extension (KVSELECT_TEST_IMPL=dynamo)")
-        marker = "kvselect_only"
-    else:
-        skip = pytest.mark.skip(
-            reason="the replica mesh and session affinity are not in kvselect yet: "
-            "its constructor refuses these options (test_mesh_options_are_refused)"
-        )
-        marker = "mesh"
+    if IMPL != "dynamo":
+        return
+    skip = pytest.mark.skip(reason="kvselect-only extension (KVSELECT_TEST_IMPL=dynamo)")
     for item in items:
-        if marker in item.keywords:
+        if "kvselect_only" in item.keywords:
             item.add_marker(skip)
 
 

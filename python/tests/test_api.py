@@ -40,15 +40,13 @@ def test_constructor_defaults_and_keywords(impl):
     svc = impl.SelectionService()
     svc.shutdown()
     cfg = impl.SelectionCacheConfig(ttl_secs=30.0, max_entries=10, max_bytes=1 << 20)
-    # kvselect refuses session affinity until it has it (test_features.py).
-    affinity = {"session_affinity_ttl_secs": 60.0} if impl.name == "dynamo" else {}
     svc = impl.SelectionService(
         indexer_threads=2,
         indexer_peers=None,
         replica_sync_port=None,
         replica_sync_peers=None,
         selection_cache=cfg,
-        **affinity,
+        session_affinity_ttl_secs=60.0,
     )
     svc.shutdown()
     impl.SelectionCacheConfig()  # every field optional

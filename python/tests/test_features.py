@@ -3,6 +3,8 @@ two in-process services."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from conftest import async_test, free_port, load_row, service, wait_for, wait_loaded, worker
@@ -17,7 +19,6 @@ def _row(svc, w):
     return None if r is None else (r["potential_prefill_tokens"], r["potential_decode_blocks"], r["active_requests"])
 
 
-@pytest.mark.mesh
 @async_test
 async def test_session_affinity_binds_bookings(impl):
     async with service(impl, session_affinity_ttl_secs=60.0) as svc:
@@ -48,7 +49,6 @@ async def test_without_affinity_session_id_is_ignored(impl):
         assert sorted(got) == [1, 1, 1, 2, 2, 2], got  # the load term alternates the bookings
 
 
-@pytest.mark.mesh
 @async_test
 async def test_replica_sync_between_two_services(impl):
     pa, pb = free_port(), free_port()
@@ -86,11 +86,24 @@ async def test_replica_sync_between_two_services(impl):
         assert _row(a, 7) == (0, 0, 0)
 
 
+
 @pytest.mark.kvselect_only
-def test_mesh_options_are_refused(impl):
-    """Until kvselect has the replica mesh and session affinity, asking for
-    them is an error at construction, never a silent no-op."""
-    for kwargs in ({"session_affinity_ttl_secs": 60.0}, {"replica_sync_port": 0},
-                   {"replica_sync_port": 0, "replica_sync_peers": ["tcp://127.0.0.1:1"]}):
-        with pytest.raises(ValueError, match="does not implement the replica mesh or session affinity"):
-            impl.SelectionService(**kwargs)
+def test_shutdown_closes_the_mesh_socket(impl):
+    """shutdown() stops the mesh threads and closes the PUB socket: its port
+    can be bound again by a new service."""
+    port = free_port()
+    svc = impl.SelectionService(indexer_threads=1, replica_sync_port=port)
+    with pytest.raises(ValueError, match="cannot start the replica mesh"):
+        impl.SelectionService(indexer_threads=1, replica_sync_port=port)
+    svc.shutdown()
+    deadline = time.monotonic() + 3.0
+    while True:
+        try:
+            again = impl.SelectionService(indexer_threads=1, replica_sync_port=port)
+            break
+        except ValueError:
+            assert time.monotonic() < deadline, "the mesh port stayed bound after shutdown()"
+            time.sleep(0.05)
+    again.shutdown()
+    with pytest.raises(ValueError, match="replica_sync_host"):
+        impl.SelectionService(replica_sync_port=0, replica_sync_host="not-an-ip")

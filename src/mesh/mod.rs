@@ -210,15 +210,29 @@ pub struct Mesh {
     peers: Mutex<BTreeSet<String>>,
     ctl: Mutex<mpsc::Sender<replica::Ctl>>,
     origins: Mutex<HashMap<u64, OriginState>>,
+    /// Set by [`Mesh::stop`]; both threads check it every poll period.
+    stopped: std::sync::atomic::AtomicBool,
     pub counters: MeshCounters,
 }
 
 impl Mesh {
+    /// Stops both threads within a poll period (about 200 ms); their sockets
+    /// and the ZeroMQ context close. Nothing is published or applied after
+    /// it. The embedded selector's `shutdown()` calls it; the server's
+    /// threads end with the process.
+    pub fn stop(&self) {
+        self.stopped.store(true, Ordering::SeqCst);
+    }
+
+    pub(crate) fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::SeqCst)
+    }
+
     /// Binds the PUB, connects the SUB to `cfg.peers` and starts both
-    /// threads. They stop once `app` is dropped.
+    /// threads. They stop once `app` is dropped or [`Mesh::stop`] is called.
     pub fn start(app: &Arc<App>, cfg: MeshConfig) -> Result<Arc<Mesh>, String> {
         for p in &cfg.peers {
-            crate::ingest::validate_endpoint(p)?;
+            crate::ingest::validate_endpoint(p).map_err(|e| e.to_string())?;
         }
         let ctx = zmq::Context::new();
         let (pub_socket, endpoint) = replica::bind_pub(&ctx, cfg.bind_ip, cfg.port)?;
@@ -235,6 +249,7 @@ impl Mesh {
             peers: Mutex::new(cfg.peers.iter().cloned().collect()),
             ctl: Mutex::new(ctl_tx),
             origins: Mutex::new(HashMap::new()),
+            stopped: std::sync::atomic::AtomicBool::new(false),
             counters: MeshCounters::default(),
             cfg,
         });
@@ -491,7 +506,7 @@ impl Mesh {
 
     /// Adds a peer; `Ok(true)` when it is new.
     pub fn register_peer(&self, endpoint: &str) -> Result<bool, String> {
-        crate::ingest::validate_endpoint(endpoint)?;
+        crate::ingest::validate_endpoint(endpoint).map_err(|e| e.to_string())?;
         let new = self.peers.lock().insert(endpoint.to_string());
         if new {
             let _ = self

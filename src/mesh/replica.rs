@@ -110,6 +110,9 @@ fn pub_loop(mesh: &Mesh, socket: zmq::Socket, rx: mpsc::Receiver<Outgoing>) {
     let mut next_hb = Instant::now();
     let mut buf = Vec::with_capacity(1024);
     loop {
+        if mesh.is_stopped() {
+            return;
+        }
         let wait = next_hb.saturating_duration_since(Instant::now());
         match rx.recv_timeout(wait) {
             Ok(msg) => {
@@ -151,6 +154,9 @@ fn sub_loop(mesh: &Mesh, sub: zmq::Socket, ctl: mpsc::Receiver<Ctl>) {
     let mut rng = rand::rng();
     let mut last_prune = Instant::now();
     loop {
+        if mesh.is_stopped() {
+            return;
+        }
         let Some(app) = mesh.app.upgrade() else {
             return;
         };
