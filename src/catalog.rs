@@ -157,7 +157,7 @@ impl WorkerRecord {
             total_kv_blocks: f.total_kv_blocks,
             stable_routing_id: f.stable_routing_id,
             is_eagle: f.is_eagle,
-            taints: f.taints.unwrap_or_default(),
+            taints: taint_set(f.taints.unwrap_or_default()),
             topology_domains: f.topology_domains.unwrap_or_default(),
             kv_transfer_domain: f.kv_transfer_domain,
             kv_transfer_enforcement: f.kv_transfer_enforcement,
@@ -192,7 +192,7 @@ impl WorkerRecord {
             r.kv_events_endpoints = v;
         }
         if let Some(v) = p.taints {
-            r.taints = v;
+            r.taints = taint_set(v);
         }
         if let Some(v) = p.topology_domains {
             r.topology_domains = v;
@@ -614,4 +614,12 @@ fn same_listener(a: &ListenerSpec, b: &ListenerSpec) -> bool {
         && a.replay_endpoint == b.replay_endpoint
         && a.block_size == b.block_size
         && Arc::ptr_eq(&a.index, &b.index)
+}
+
+/// Taints are a set, as the reference keeps them: duplicates go. The
+/// reference's set has no stable order; kvselect's is sorted.
+fn taint_set(mut taints: Vec<String>) -> Vec<String> {
+    taints.sort_unstable();
+    taints.dedup();
+    taints
 }

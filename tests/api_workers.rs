@@ -347,3 +347,36 @@ async fn workers_are_listed_by_model_group_then_id() {
         .collect();
     assert_eq!(ids, [7, 3, 1, 10]);
 }
+
+#[tokio::test]
+async fn taints_are_a_set_and_names_are_never_null() {
+    let s = start().await;
+    let r = s
+        .post(
+            "/workers",
+            &json!({"worker_id": 3, "taints": ["b", "a", "b", "c"]}),
+        )
+        .await;
+    assert_eq!(r.status, 201);
+    assert_eq!(r.json()["taints"], json!(["a", "b", "c"]));
+    let r = s
+        .send("PATCH", "/workers/3", &json!({"taints": ["z", "z"]}))
+        .await;
+    assert_eq!(r.json()["taints"], json!(["z"]));
+    for field in ["model_name", "routing_group"] {
+        let r = s
+            .post("/workers", &json!({"worker_id": 4, field: null}))
+            .await;
+        assert_eq!(r.status, 422, "{field}");
+        assert!(
+            r.error()
+                .contains(&format!("{field}: invalid type: null, expected a string")),
+            "{}",
+            r.error()
+        );
+        let r = s
+            .post("/select", &json!({"token_ids": [1], field: null}))
+            .await;
+        assert_eq!(r.status, 422, "{field}");
+    }
+}

@@ -113,9 +113,20 @@ fn strings_borrow_unless_escaped() {
 
 #[test]
 fn nulls_and_empties_where_the_spec_allows_them() {
-    let r = sel(r#" { "token_ids" : null , "model_name":null, "selection_id":null } "#).unwrap();
+    let r = sel(r#" { "token_ids" : null , "selection_id":null } "#).unwrap();
     assert!(r.prompt.token_ids.is_none());
     assert!(r.model_name.is_none());
+    // `model_name` and `routing_group` default when absent but are never
+    // null: the reference answers 422 naming the field.
+    for field in ["model_name", "routing_group"] {
+        let e = sel(&format!(r#"{{"token_ids":[1],"{field}":null}}"#)).unwrap_err();
+        assert_eq!(e.class, ErrorClass::Shape, "{field}");
+        assert_eq!(e.path, field);
+        assert!(
+            e.message.contains("invalid type: null, expected a string"),
+            "{e}"
+        );
+    }
     let r = sel("{\"token_ids\":[]}").unwrap();
     assert!(r.prompt.token_ids.as_deref().unwrap().is_empty());
     let r = sel("\t\r\n{\n\"token_ids\"\n:\n[\n1\n,\n2\n]\n}\n").unwrap();

@@ -132,11 +132,19 @@ struct RefMm {
     block_mm_infos: Option<Vec<Option<RefBlockInfo>>>,
 }
 
+/// A string that defaults when absent but may not be `null` (the
+/// reference's `String` with `#[serde(default)]`).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    String::deserialize(d).map(Some)
+}
+
 /// The /select body as one flat serde struct: the oracle, and the "serde_json
 /// typed" peer in the parse bench.
 #[derive(Deserialize, Debug)]
 pub struct RefSelect {
+    #[serde(default, deserialize_with = "present")]
     model_name: Option<String>,
+    #[serde(default, deserialize_with = "present")]
     routing_group: Option<String>,
     selection_id: Option<String>,
     session_id: Option<String>,
@@ -189,7 +197,9 @@ pub struct RefPrompt {
 #[derive(Deserialize, Debug)]
 #[allow(dead_code)] // read only through Debug: the bench measures the parse
 pub struct RefSelectFlatten {
+    #[serde(default, deserialize_with = "present")]
     model_name: Option<String>,
+    #[serde(default, deserialize_with = "present")]
     routing_group: Option<String>,
     selection_id: Option<String>,
     session_id: Option<String>,

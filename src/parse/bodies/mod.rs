@@ -42,6 +42,13 @@ fn opt_str<'a>(cur: &mut Cur<'a>) -> PResult<Option<Str<'a>>> {
     cur.str_val().map(Some)
 }
 
+/// A string field that is a string whenever present: `null` is a shape
+/// error, as the reference has it for `model_name` and `routing_group`
+/// (they default when absent, but are not `Option`s).
+fn present_str<'a>(cur: &mut Cur<'a>) -> PResult<Option<Str<'a>>> {
+    cur.str_val().map(Some)
+}
+
 fn opt_string(cur: &mut Cur<'_>) -> PResult<Option<String>> {
     Ok(opt_str(cur)?.map(Cow::into_owned))
 }
@@ -239,8 +246,10 @@ impl Parser {
                     }};
                 }
                 match &*k.bytes {
-                    b"model_name" => field!(0, "model_name", r.model_name, opt_str(cur)),
-                    b"routing_group" => field!(1, "routing_group", r.routing_group, opt_str(cur)),
+                    b"model_name" => field!(0, "model_name", r.model_name, present_str(cur)),
+                    b"routing_group" => {
+                        field!(1, "routing_group", r.routing_group, present_str(cur))
+                    }
                     b"selection_id" => field!(2, "selection_id", r.selection_id, opt_str(cur)),
                     b"session_id" => field!(3, "session_id", r.session_id, opt_str(cur)),
                     b"session_context" => field!(
@@ -332,8 +341,10 @@ impl Parser {
                     b"selection_id" => {
                         field!(0, "selection_id", sid, cur.str_val().map(Some))
                     }
-                    b"model_name" => field!(1, "model_name", r.model_name, opt_str(cur)),
-                    b"routing_group" => field!(2, "routing_group", r.routing_group, opt_str(cur)),
+                    b"model_name" => field!(1, "model_name", r.model_name, present_str(cur)),
+                    b"routing_group" => {
+                        field!(2, "routing_group", r.routing_group, present_str(cur))
+                    }
                     b"worker_id" => field!(3, "worker_id", r.worker_id, opt_u64(cur, "u64")),
                     b"dp_rank" => field!(4, "dp_rank", r.dp_rank, opt_u32(cur)),
                     b"router_config_override" => field!(
@@ -404,11 +415,11 @@ impl Parser {
                 match &*k.bytes {
                     b"model_name" => {
                         seen(cur, &mut set, 0, &k, "model_name")?;
-                        r.model_name = opt_str(cur).key("model_name")?;
+                        r.model_name = present_str(cur).key("model_name")?;
                     }
                     b"routing_group" => {
                         seen(cur, &mut set, 1, &k, "routing_group")?;
-                        r.routing_group = opt_str(cur).key("routing_group")?;
+                        r.routing_group = present_str(cur).key("routing_group")?;
                     }
                     b"router_config_override" => {
                         seen(cur, &mut set, 2, &k, "router_config_override")?;

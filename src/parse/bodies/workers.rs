@@ -27,9 +27,19 @@ pub(super) fn worker_fields(cur: &mut Cur<'_>, upsert: bool) -> PResult<WorkerFi
         }
         match &*k.bytes {
             b"worker_id" if upsert => field!(0, "worker_id", wid, cur.u64_val("u64").map(Some)),
-            b"model_name" if upsert => field!(1, "model_name", w.model_name, opt_string(cur)),
+            b"model_name" if upsert => field!(
+                1,
+                "model_name",
+                w.model_name,
+                present_str(cur).map(|v| v.map(Cow::into_owned))
+            ),
             b"routing_group" if upsert => {
-                field!(2, "routing_group", w.routing_group, opt_string(cur))
+                field!(
+                    2,
+                    "routing_group",
+                    w.routing_group,
+                    present_str(cur).map(|v| v.map(Cow::into_owned))
+                )
             }
             b"endpoint" => field!(3, "endpoint", w.endpoint, opt_string(cur)),
             b"kv_events_endpoint" => {
