@@ -15,9 +15,11 @@
 //! | `select` | the cost model and the choice (pure) | lock or do I/O |
 //! | `catalog` | worker records, lifecycle, partitions, readiness; keeps ingest, index and load in step | parse JSON |
 //! | `app` | one method per route: typed view in, typed reply out, errors as `ServiceError` | know HTTP or JSON |
-//! | `metrics` | /metrics text | |
+//! | `metrics` | /metrics: Prometheus text of request, connection, ingest, index and ledger metrics | keep state of its own beyond counters |
 //! | `json_out` | i64 arrays of replies, byte for byte serde_json's (AVX-512 or `itoa`) | allocate beyond its reserve |
-//! | `http` | accept loop, routing, 415/413, the one error -> status mapping | hold domain state |
+//! | `http` | accept loop, connection bounds and timeouts, drain, routing, 401/415/413/408, the one error -> status mapping | hold domain state |
+//! | `auth`, `tls` | bearer tokens (constant-time, reloadable); the rustls acceptor | know routes |
+//! | `shutdown` | SIGTERM/SIGINT: drain on the first, exit on the second | |
 //! | `config`, `runtime`, `recovery` | CLI/env -> `Config`; pinned runtime; start-up /dump recovery | |
 
 pub mod hash;
@@ -28,6 +30,7 @@ pub mod pool;
 pub mod reserve;
 
 pub mod app;
+pub mod auth;
 pub mod catalog;
 pub mod config;
 pub mod http;
@@ -36,3 +39,5 @@ pub mod metrics;
 pub mod recovery;
 pub mod runtime;
 pub mod select;
+pub mod shutdown;
+pub mod tls;
