@@ -364,6 +364,13 @@ impl Catalog {
         let mut old = st.workers.remove(&worker_id)?;
         self.detach(&st, &old);
         drop(st);
+        tracing::info!(
+            worker_id,
+            model_name = %old.model_name,
+            routing_group = %old.routing_group,
+            was = ?old.lifecycle,
+            "worker left"
+        );
         self.publish();
         old.lifecycle = Lifecycle::Unschedulable;
         old.not_schedulable_reasons.clear();
@@ -399,6 +406,7 @@ impl Catalog {
         record.not_schedulable_reasons = reasons;
 
         let old = st.workers.remove(&id);
+        log_change(old.as_ref(), &record);
         let same_place = old.as_ref().is_some_and(|o| {
             o.lifecycle == Lifecycle::Schedulable
                 && o.model_name == record.model_name
@@ -622,4 +630,35 @@ fn taint_set(mut taints: Vec<String>) -> Vec<String> {
     taints.sort_unstable();
     taints.dedup();
     taints
+}
+
+/// Logs a worker joining, or its lifecycle or partition changing.
+fn log_change(old: Option<&WorkerRecord>, new: &WorkerRecord) {
+    let reasons = || new.not_schedulable_reasons.join("; ");
+    match old {
+        None => tracing::info!(
+            worker_id = new.worker_id,
+            model_name = %new.model_name,
+            routing_group = %new.routing_group,
+            lifecycle = ?new.lifecycle,
+            reasons = %reasons(),
+            "worker joined"
+        ),
+        Some(o)
+            if o.lifecycle != new.lifecycle
+                || o.model_name != new.model_name
+                || o.routing_group != new.routing_group =>
+        {
+            tracing::info!(
+                worker_id = new.worker_id,
+                model_name = %new.model_name,
+                routing_group = %new.routing_group,
+                from = ?o.lifecycle,
+                to = ?new.lifecycle,
+                reasons = %reasons(),
+                "worker state changed"
+            )
+        }
+        Some(_) => tracing::debug!(worker_id = new.worker_id, "worker updated"),
+    }
 }

@@ -33,6 +33,31 @@ pub const DEFAULT_REPLICA_LEASE: Duration = crate::mesh::DEFAULT_LEASE;
 /// `worker_load.prefill_token_capacity` when a worker has no
 /// `max_num_batched_tokens`.
 pub const DEFAULT_PREFILL_TOKEN_CAPACITY: u64 = 10_000_000;
+/// A request head (HTTP/1 headers, or any bytes before an HTTP/2 stream
+/// opens) must arrive within this, counted from its first byte.
+pub const DEFAULT_HEADER_READ_TIMEOUT_SECS: f64 = 10.0;
+/// A request body must arrive in full within this, counted from the end of
+/// its head; otherwise 408 and the connection closes.
+pub const DEFAULT_BODY_READ_TIMEOUT_SECS: f64 = 30.0;
+/// A connection with no request in flight and no bytes moving is closed after
+/// this.
+pub const DEFAULT_IDLE_TIMEOUT_SECS: f64 = 60.0;
+/// Open connections at most; one more is accepted and closed at once.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// Concurrent HTTP/2 streams per connection (SETTINGS_MAX_CONCURRENT_STREAMS).
+pub const DEFAULT_HTTP2_MAX_STREAMS: u32 = 128;
+/// On SIGTERM/SIGINT, in-flight requests get this long to finish before the
+/// process exits anyway. Below Kubernetes' default 30 s grace period.
+pub const DEFAULT_SHUTDOWN_TIMEOUT_SECS: f64 = 25.0;
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines; ANSI colour only when writing to a terminal.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum TrackingHash {
@@ -123,6 +148,69 @@ pub struct Cli {
     /// many seconds after its last use (1..=31536000).
     #[arg(long)]
     pub session_affinity_ttl_secs: Option<f64>,
+    /// Seconds a client has to send a complete request head.
+    #[arg(long, default_value_t = DEFAULT_HEADER_READ_TIMEOUT_SECS)]
+    pub header_read_timeout_secs: f64,
+    /// Seconds a client has to send a complete request body (408 after).
+    #[arg(long, default_value_t = DEFAULT_BODY_READ_TIMEOUT_SECS)]
+    pub body_read_timeout_secs: f64,
+    /// Seconds an idle keep-alive connection is kept open.
+    #[arg(long, default_value_t = DEFAULT_IDLE_TIMEOUT_SECS)]
+    pub idle_timeout_secs: f64,
+    /// Open connections at most (further ones are closed on accept).
+    #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// Concurrent HTTP/2 streams per connection.
+    #[arg(long, default_value_t = DEFAULT_HTTP2_MAX_STREAMS)]
+    pub http2_max_streams: u32,
+    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
+    #[arg(long, default_value_t = DEFAULT_SHUTDOWN_TIMEOUT_SECS)]
+    pub shutdown_timeout_secs: f64,
+    /// File of bearer tokens, one per line (`#` comments allowed); every
+    /// route but /health then requires `Authorization: Bearer <token>`.
+    /// Re-read on SIGHUP.
+    #[arg(long)]
+    pub auth_token_file: Option<std::path::PathBuf>,
+    /// PEM certificate chain; with --tls-key, serve HTTPS (HTTP/1.1 and h2).
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// PEM private key for --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// Log line format (filter with RUST_LOG, default `info`).
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// Connection and request bounds of the HTTP front door.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HttpLimits {
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_connections: usize,
+    pub http2_max_streams: u32,
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        HttpLimits {
+            header_read_timeout: Duration::from_secs_f64(DEFAULT_HEADER_READ_TIMEOUT_SECS),
+            body_read_timeout: Duration::from_secs_f64(DEFAULT_BODY_READ_TIMEOUT_SECS),
+            idle_timeout: Duration::from_secs_f64(DEFAULT_IDLE_TIMEOUT_SECS),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            http2_max_streams: DEFAULT_HTTP2_MAX_STREAMS,
+            shutdown_timeout: Duration::from_secs_f64(DEFAULT_SHUTDOWN_TIMEOUT_SECS),
+        }
+    }
+}
+
+/// Certificate chain and key files for HTTPS.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TlsFiles {
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
 }
 
 /// The cost model's weights (§1.2, §7.3). Defaults from the environment; a
@@ -254,6 +342,11 @@ pub struct Config {
     /// Fault injection for tests: the share of received replica messages
     /// dropped on purpose. No flag sets it; it stays 0 in the server.
     pub replica_fault_drop_rate: f64,
+    pub limits: HttpLimits,
+    /// Bearer tokens required on every route but /health when set.
+    pub auth_token_file: Option<std::path::PathBuf>,
+    pub tls: Option<TlsFiles>,
+    pub log_format: LogFormat,
 }
 
 impl Default for Config {
@@ -279,6 +372,10 @@ impl Default for Config {
             replica_heartbeat: DEFAULT_REPLICA_HEARTBEAT,
             replica_lease: DEFAULT_REPLICA_LEASE,
             replica_fault_drop_rate: 0.0,
+            limits: HttpLimits::default(),
+            auth_token_file: None,
+            tls: None,
+            log_format: LogFormat::Text,
         }
     }
 }
@@ -405,6 +502,34 @@ impl Config {
                 return Err("session_affinity_ttl_secs must be between 1 and 31536000".into())
             }
         };
+        let positive = |name: &str, v: f64| -> Result<Duration, String> {
+            match secs(name, v)? {
+                d if d.is_zero() => Err(format!("--{name} must be greater than 0")),
+                d => Ok(d),
+            }
+        };
+        let limits = HttpLimits {
+            header_read_timeout: positive(
+                "header-read-timeout-secs",
+                cli.header_read_timeout_secs,
+            )?,
+            body_read_timeout: positive("body-read-timeout-secs", cli.body_read_timeout_secs)?,
+            idle_timeout: positive("idle-timeout-secs", cli.idle_timeout_secs)?,
+            max_connections: cli.max_connections,
+            http2_max_streams: cli.http2_max_streams,
+            shutdown_timeout: secs("shutdown-timeout-secs", cli.shutdown_timeout_secs)?,
+        };
+        if limits.max_connections == 0 || limits.max_connections > u32::MAX as usize {
+            return Err("--max-connections must be between 1 and 4294967295".into());
+        }
+        if limits.http2_max_streams == 0 {
+            return Err("--http2-max-streams must be at least 1".into());
+        }
+        let tls = match (cli.tls_cert, cli.tls_key) {
+            (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+            (None, None) => None,
+            _ => return Err("--tls-cert and --tls-key go together".into()),
+        };
         Ok(Config {
             addr: SocketAddr::new(cli.host, cli.port),
             threads,
@@ -420,13 +545,97 @@ impl Config {
             booking_expiry: secs("booking-expiry-secs", cli.booking_expiry_secs)?,
             router,
             tracking_key,
+            limits,
+            auth_token_file: cli.auth_token_file,
+            tls,
+            log_format: cli.log_format,
             replica_sync_port: cli.replica_sync_port,
             replica_sync_peers: cli.replica_sync_peers,
             session_affinity_ttl,
             ..Config::default()
         })
     }
+
+    /// The effective configuration as `(name, value)` pairs for the start-up
+    /// log: every flag's value and the `DYN_*` variables that are set. No
+    /// secret is included (the tracking key shows only its id; token files
+    /// only their path).
+    pub fn describe(&self, env: impl Fn(&str) -> Option<String>) -> Vec<(&'static str, String)> {
+        let l = &self.limits;
+        let r = &self.router;
+        let opt = |p: &Option<std::path::PathBuf>| {
+            p.as_ref()
+                .map_or_else(|| "-".to_string(), |p| p.display().to_string())
+        };
+        let mut out = vec![
+            ("addr", self.addr.to_string()),
+            ("threads", self.threads.to_string()),
+            ("cores", format!("{:?}", self.cores)),
+            ("ingest_threads", self.ingest_threads.to_string()),
+            ("indexer_peers", self.indexer_peers.join(",")),
+            (
+                "selection_cache_ttl",
+                format!("{:?}", self.selection_cache_ttl),
+            ),
+            (
+                "selection_cache_max_entries",
+                self.selection_cache_max_entries.to_string(),
+            ),
+            (
+                "selection_cache_max_bytes",
+                self.selection_cache_max_bytes.to_string(),
+            ),
+            ("body_limit_bytes", self.body_limit_bytes.to_string()),
+            ("max_tokens", self.max_tokens.to_string()),
+            ("max_depth", self.max_depth.to_string()),
+            ("booking_expiry", format!("{:?}", self.booking_expiry)),
+            (
+                "router_tracking_hash",
+                match &self.tracking_key {
+                    None => "public-xxh3-v1".to_string(),
+                    Some(k) => format!("keyed-xxh3-v1 (key id {})", k.key_id),
+                },
+            ),
+            ("router", format!("{r:?}")),
+            (
+                "header_read_timeout",
+                format!("{:?}", l.header_read_timeout),
+            ),
+            ("body_read_timeout", format!("{:?}", l.body_read_timeout)),
+            ("idle_timeout", format!("{:?}", l.idle_timeout)),
+            ("max_connections", l.max_connections.to_string()),
+            ("http2_max_streams", l.http2_max_streams.to_string()),
+            ("shutdown_timeout", format!("{:?}", l.shutdown_timeout)),
+            ("auth_token_file", opt(&self.auth_token_file)),
+            ("tls_cert", opt(&self.tls.as_ref().map(|t| t.cert.clone()))),
+            (
+                "log_format",
+                format!("{:?}", self.log_format).to_ascii_lowercase(),
+            ),
+        ];
+        for name in DYN_ENV_VARS {
+            if let Some(v) = env(name) {
+                out.push((name, v));
+            }
+        }
+        out
+    }
 }
+
+/// The environment variables kvselect reads (§1.2).
+pub const DYN_ENV_VARS: &[&str] = &[
+    "DYN_OVERLAP_SCORE_WEIGHT",
+    "DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT",
+    "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT",
+    "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY",
+    "DYN_ROUTER_PREFILL_LOAD_SCALE",
+    "DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT",
+    "DYN_ROUTER_TEMPERATURE",
+    "DYN_ROUTER_TRACK_PREFILL_TOKENS",
+    "DYN_ROUTER_TRACK_OUTPUT_BLOCKS",
+    "DYN_ROUTER_ASSUME_KV_REUSE",
+    "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS",
+];
 
 #[cfg(test)]
 mod tests {

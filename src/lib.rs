@@ -17,9 +17,11 @@
 //! | `catalog` | worker records, lifecycle, partitions, readiness; keeps ingest, index and load in step | parse JSON |
 //! | `app` | one method per route: typed view in, typed reply out, errors as `ServiceError` | know HTTP or JSON |
 //! | `mesh` | the replica mesh (Dynamo's wire format, sequence numbers, repair, leases) and session affinity | sit on the request path beyond a queue push |
-//! | `metrics` | /metrics text | |
+//! | `metrics` | /metrics: Prometheus text of request, connection, ingest, index and ledger metrics | keep state of its own beyond counters |
 //! | `json_out` | i64 arrays of replies, byte for byte serde_json's (AVX-512 or `itoa`) | allocate beyond its reserve |
-//! | `http` | accept loop, routing, 415/413, the one error -> status mapping | hold domain state |
+//! | `http` | accept loop, connection bounds and timeouts, drain, routing, 401/415/413/408, the one error -> status mapping | hold domain state |
+//! | `auth`, `tls` | bearer tokens (constant-time, reloadable); the rustls acceptor | know routes |
+//! | `shutdown` | SIGTERM/SIGINT: drain on the first, exit on the second | |
 //! | `config`, `runtime`, `recovery` | CLI/env -> `Config`; pinned runtime; start-up /dump recovery | |
 
 mod fold;
@@ -31,6 +33,7 @@ pub mod pool;
 pub mod reserve;
 
 pub mod app;
+pub mod auth;
 pub mod catalog;
 pub mod config;
 pub mod http;
@@ -40,3 +43,5 @@ pub mod metrics;
 pub mod recovery;
 pub mod runtime;
 pub mod select;
+pub mod shutdown;
+pub mod tls;

@@ -1,85 +1,508 @@
-//! GET /metrics: the service's gauges and the ingest counters as
-//! Prometheus text exposition.
+//! GET /metrics: Prometheus text exposition 0.0.4, every family with `# HELP`
+//! and `# TYPE`.
+//!
+//! Built on the `prometheus` crate (tikv/rust-prometheus) rather than
+//! `prometheus-client`: its `TextEncoder` writes exactly the 0.0.4 text format
+//! that `promtool check metrics` and every Prometheus server read, served as
+//! `text/plain; version=0.0.4`, whereas `prometheus-client` writes
+//! OpenMetrics (`# EOF`, `_total` family names). Default features are off, so
+//! no protobuf code is built.
+//!
+//! Two kinds of metric:
+//! - request-path metrics ([`Metrics`]): counters and histograms updated as
+//!   requests and connections come and go; labels are `&'static str` route
+//!   templates and status codes, so their cardinality is fixed.
+//! - state read at scrape time ([`Metrics::render`]): the catalog, the index
+//!   per partition, the ledger, the pending-selection cache and the ingest
+//!   hub's counters and per-stream state, taken from their own `stats()` and
+//!   written into a registry built for that one scrape.
 
 use crate::app::App;
+use crate::ingest::ListenerState;
+use prometheus::{
+    Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
+};
+use std::time::Duration;
 
-/// Renders every metric of `app`.
-pub fn render(app: &App) -> String {
-    // `[(name, value)]` of the named fields of a counters struct.
-    macro_rules! fields {
-        ($s:expr; $($f:ident),* $(,)?) => { [$((stringify!($f), $s.$f)),*] };
+/// `Content-Type` of /metrics.
+pub const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
+
+/// Request latency buckets, seconds: a selection takes tens of microseconds
+/// to a few milliseconds; the tail buckets catch stalls.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0,
+];
+
+/// Parse-time buckets, seconds (a 100k-token body parses in well under 1 ms).
+const PARSE_BUCKETS: &[f64] = &[
+    0.000_001, 0.000_005, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001,
+    0.002_5, 0.005, 0.01, 0.05,
+];
+
+/// Why the server closed a connection on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Timeout {
+    /// A request head (or TLS handshake) did not arrive in time.
+    Header,
+    /// A request body did not arrive in time (the request got 408).
+    Body,
+    /// No request for the idle timeout.
+    Idle,
+}
+
+impl Timeout {
+    fn label(self) -> &'static str {
+        match self {
+            Timeout::Header => "header",
+            Timeout::Body => "body",
+            Timeout::Idle => "idle",
+        }
     }
-    use std::fmt::Write;
-    let mut out = String::new();
-    let snap = app.catalog.snapshot();
-    let _ = writeln!(out, "# TYPE kvselect_schedulable_workers gauge");
-    let _ = writeln!(
-        out,
-        "kvselect_schedulable_workers {}",
-        snap.schedulable_workers
+}
+
+/// The request-path metrics of one server.
+pub struct Metrics {
+    registry: Registry,
+    requests: IntCounterVec,
+    latency: HistogramVec,
+    parse: HistogramVec,
+    connections: IntGauge,
+    accepted: IntCounter,
+    rejected: IntCounter,
+    timeouts: IntCounterVec,
+}
+
+fn registered<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
+    r.register(Box::new(c.clone()))
+        .expect("metric names are unique and valid");
+    c
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let r = Registry::new();
+        let hist = |name: &str, help: &str, buckets: &[f64], labels: &[&str]| {
+            HistogramVec::new(
+                HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+                labels,
+            )
+            .expect("valid histogram")
+        };
+        Metrics {
+            requests: registered(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvselect_http_requests_total",
+                        "HTTP requests answered, by route template and status.",
+                    ),
+                    &["route", "status"],
+                )
+                .expect("valid"),
+            ),
+            latency: registered(
+                &r,
+                hist(
+                    "kvselect_http_request_duration_seconds",
+                    "Time from a request's head to its response, by route template and status.",
+                    LATENCY_BUCKETS,
+                    &["route", "status"],
+                ),
+            ),
+            parse: registered(
+                &r,
+                hist(
+                    "kvselect_parse_duration_seconds",
+                    "Time parsing request bodies, by body kind (failed parses included).",
+                    PARSE_BUCKETS,
+                    &["body"],
+                ),
+            ),
+            connections: registered(
+                &r,
+                IntGauge::new("kvselect_http_connections", "Open client connections.")
+                    .expect("valid"),
+            ),
+            accepted: registered(
+                &r,
+                IntCounter::new(
+                    "kvselect_http_connections_accepted_total",
+                    "Client connections accepted.",
+                )
+                .expect("valid"),
+            ),
+            rejected: registered(
+                &r,
+                IntCounter::new(
+                    "kvselect_http_connections_rejected_total",
+                    "Client connections closed on accept because --max-connections were open.",
+                )
+                .expect("valid"),
+            ),
+            timeouts: registered(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvselect_http_timeouts_total",
+                        "Connections closed or requests answered 408 by a timeout (header, body, idle).",
+                    ),
+                    &["kind"],
+                )
+                .expect("valid"),
+            ),
+            registry: r,
+        }
+    }
+
+    pub fn request(&self, route: &'static str, status: u16, elapsed: Duration) {
+        let mut buf = itoa::Buffer::new();
+        let labels = [route, buf.format(status)];
+        self.requests.with_label_values(&labels).inc();
+        self.latency
+            .with_label_values(&labels)
+            .observe(elapsed.as_secs_f64());
+    }
+
+    pub fn parse_time(&self, body: &'static str, elapsed: Duration) {
+        self.parse
+            .with_label_values(&[body])
+            .observe(elapsed.as_secs_f64());
+    }
+
+    pub fn connection_opened(&self) {
+        self.accepted.inc();
+        self.connections.inc();
+    }
+
+    pub fn connection_closed(&self) {
+        self.connections.dec();
+    }
+
+    pub fn connection_rejected(&self) {
+        self.rejected.inc();
+    }
+
+    pub fn timeout(&self, kind: Timeout) {
+        self.timeouts.with_label_values(&[kind.label()]).inc();
+    }
+
+    /// The whole exposition: request-path metrics and the state of `app`.
+    pub fn render(&self, app: &App) -> String {
+        let mut families = self.registry.gather();
+        families.extend(state_registry(app).gather());
+        families.sort_by(|a, b| a.name().cmp(b.name()));
+        let mut out = String::with_capacity(16 * 1024);
+        TextEncoder::new()
+            .encode_utf8(&families, &mut out)
+            .expect("metric families encode");
+        if let Some(aff) = &app.affinity {
+            out.push_str("# HELP kvselect_session_bindings Live session-affinity bindings.\n");
+            out.push_str("# TYPE kvselect_session_bindings gauge\n");
+            out.push_str(&format!("kvselect_session_bindings {}\n", aff.len()));
+        }
+        if let Some(mesh) = app.mesh() {
+            let mut text = String::new();
+            crate::mesh::render_metrics(mesh, &mut text);
+            with_help(&text, &mut out);
+        }
+        out
+    }
+}
+
+/// Copies the replica mesh's text, giving each family the HELP line the
+/// exposition format asks for (the family's name, in words).
+fn with_help(text: &str, out: &mut String) {
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let name = rest.split(' ').next().unwrap_or_default();
+            let words = name
+                .trim_start_matches("kvselect_replica_")
+                .replace('_', " ");
+            out.push_str(&format!("# HELP {name} Replica mesh: {words}.\n"));
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+}
+
+/// A registry holding the state of `app` as of now.
+fn state_registry(app: &App) -> Registry {
+    let r = Registry::new();
+    let gauge = |name: &str, help: &str, v: f64| {
+        registered(&r, Gauge::new(name, help).expect("valid")).set(v);
+    };
+    let gauge_vec = |name: &str, help: &str, labels: &[&str]| {
+        registered(
+            &r,
+            GaugeVec::new(Opts::new(name, help), labels).expect("valid"),
+        )
+    };
+    let int_gauge_vec = |name: &str, help: &str, labels: &[&str]| {
+        registered(
+            &r,
+            IntGaugeVec::new(Opts::new(name, help), labels).expect("valid"),
+        )
+    };
+
+    registered(
+        &r,
+        IntGaugeVec::new(
+            Opts::new("kvselect_build_info", "Build of this kvselect; always 1."),
+            &["version"],
+        )
+        .expect("valid"),
+    )
+    .with_label_values(&[env!("CARGO_PKG_VERSION")])
+    .set(1);
+    gauge(
+        "kvselect_shutting_down",
+        "1 while the server drains after SIGTERM/SIGINT (/ready answers 503).",
+        u8::from(app.is_shutting_down()).into(),
     );
-    let _ = writeln!(out, "# TYPE kvselect_index_entries gauge");
-    let _ = writeln!(out, "# TYPE kvselect_index_nodes gauge");
-    let _ = writeln!(out, "# TYPE kvselect_index_bytes gauge");
+
+    let snap = app.catalog.snapshot();
+    gauge(
+        "kvselect_schedulable_workers",
+        "Workers whose lifecycle is schedulable.",
+        snap.schedulable_workers as f64,
+    );
+    let workers = int_gauge_vec(
+        "kvselect_workers",
+        "Registered workers by lifecycle.",
+        &["lifecycle"],
+    );
+    for w in app.catalog.list(None, None) {
+        let lifecycle = serde_json::to_value(w.lifecycle)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        workers.with_label_values(&[lifecycle.as_str()]).inc();
+    }
+
+    let part = ["model_name", "routing_group"];
+    let entries = gauge_vec(
+        "kvselect_index_entries",
+        "KV index entries (block, worker rank, tier) per partition.",
+        &part,
+    );
+    let nodes = gauge_vec(
+        "kvselect_index_nodes",
+        "KV index nodes (distinct blocks) per partition.",
+        &part,
+    );
+    let bytes = gauge_vec(
+        "kvselect_index_bytes",
+        "Approximate memory of the KV index per partition, bytes.",
+        &part,
+    );
     for p in app.catalog.partitions() {
         let st = p.index.stats();
-        let labels = format!(
-            "model_name={:?},routing_group={:?}",
-            p.model_name, p.routing_group
-        );
-        let _ = writeln!(out, "kvselect_index_entries{{{labels}}} {}", st.entries);
-        let _ = writeln!(out, "kvselect_index_nodes{{{labels}}} {}", st.nodes);
-        let _ = writeln!(out, "kvselect_index_bytes{{{labels}}} {}", st.bytes);
+        let l = [p.model_name.as_str(), p.routing_group.as_str()];
+        entries.with_label_values(&l).set(st.entries as f64);
+        nodes.with_label_values(&l).set(st.nodes as f64);
+        bytes.with_label_values(&l).set(st.bytes as f64);
     }
+
     let ls = app.ledger.stats();
-    let _ = writeln!(out, "# TYPE kvselect_bookings gauge");
-    let _ = writeln!(out, "kvselect_bookings {}", ls.bookings);
-    let _ = writeln!(out, "# TYPE kvselect_active_identities gauge");
-    let _ = writeln!(out, "kvselect_active_identities {}", ls.identities);
-    let _ = writeln!(out, "# TYPE kvselect_active_chained_identities gauge");
-    let _ = writeln!(
-        out,
-        "kvselect_active_chained_identities {}",
-        ls.chained_identities
+    gauge(
+        "kvselect_bookings",
+        "Active bookings in the reservation ledger.",
+        ls.bookings as f64,
     );
-    let _ = writeln!(out, "# TYPE kvselect_pending_selections gauge");
-    let _ = writeln!(out, "kvselect_pending_selections {}", app.pending.len());
-    let _ = writeln!(out, "# TYPE kvselect_pending_selection_bytes gauge");
-    let _ = writeln!(
-        out,
-        "kvselect_pending_selection_bytes {}",
-        app.pending.bytes()
+    gauge(
+        "kvselect_active_identities",
+        "Distinct block identities booked in the ledger.",
+        ls.identities as f64,
     );
-    if let Some(aff) = &app.affinity {
-        let _ = writeln!(out, "# TYPE kvselect_session_bindings gauge");
-        let _ = writeln!(out, "kvselect_session_bindings {}", aff.len());
+    gauge(
+        "kvselect_active_chained_identities",
+        "Chained (prefix-shared) identities booked in the ledger.",
+        ls.chained_identities as f64,
+    );
+    gauge(
+        "kvselect_pending_selections",
+        "Unclaimed selections in the pending-selection cache.",
+        app.pending.len() as f64,
+    );
+    gauge(
+        "kvselect_pending_selection_bytes",
+        "Approximate bytes held by the pending-selection cache.",
+        app.pending.bytes() as f64,
+    );
+
+    let stats = app.catalog.hub().stats();
+    let c = stats.counters;
+    let a = c.apply;
+    for (name, help, v) in [
+        (
+            "messages",
+            "KV-event messages received on live streams.",
+            c.messages,
+        ),
+        (
+            "batches_applied",
+            "KV-event batches applied (live and replayed).",
+            c.batches_applied,
+        ),
+        (
+            "malformed_dropped",
+            "KV-event messages or replay replies that failed to decode.",
+            c.malformed,
+        ),
+        (
+            "gaps",
+            "Sequence gaps seen on live KV-event streams.",
+            c.gaps,
+        ),
+        (
+            "gaps_lost",
+            "Sequence gaps, or parts of them, that replay could not recover.",
+            c.gaps_lost,
+        ),
+        ("replays_started", "Gap replays started.", c.replays_started),
+        (
+            "replays_completed",
+            "Gap replays completed.",
+            c.replays_completed,
+        ),
+        (
+            "replays_failed",
+            "Gap replays abandoned (timeout or socket error).",
+            c.replays_failed,
+        ),
+        (
+            "replayed_batches",
+            "Batches received by replay.",
+            c.replayed_batches,
+        ),
+        (
+            "engine_restarts",
+            "Engine restarts detected (sequence went backwards).",
+            c.restarts,
+        ),
+        (
+            "stale_dropped",
+            "Batches at or below the stream's cursor, dropped.",
+            c.stale_dropped,
+        ),
+        (
+            "connect_errors",
+            "KV-event socket creation or connect failures.",
+            c.connect_errors,
+        ),
+        (
+            "listeners_started",
+            "KV-event stream listeners started.",
+            c.listeners_started,
+        ),
+        (
+            "listeners_stopped",
+            "KV-event stream listeners stopped.",
+            c.listeners_stopped,
+        ),
+        (
+            "events_applied",
+            "KV events applied to the index.",
+            a.events_applied,
+        ),
+        (
+            "blocks_stored",
+            "Blocks stored into the index.",
+            a.blocks_stored,
+        ),
+        (
+            "blocks_removed",
+            "Blocks removed from the index.",
+            a.blocks_removed,
+        ),
+        ("clears", "AllBlocksCleared events applied.", a.clears),
+        (
+            "stores_dropped_block_size",
+            "Stores dropped: block size differs from the worker's.",
+            a.stores_dropped_block_size,
+        ),
+        (
+            "stores_dropped_shape",
+            "Stores dropped: token and hash counts disagree.",
+            a.stores_dropped_shape,
+        ),
+        (
+            "stores_dropped_self_reference",
+            "Stores dropped: a block names itself as parent.",
+            a.stores_dropped_self_reference,
+        ),
+        (
+            "stores_dropped_unknown_parent",
+            "Stores dropped: parent block unknown.",
+            a.stores_dropped_unknown_parent,
+        ),
+        (
+            "stores_dropped_other",
+            "Stores dropped for other reasons.",
+            a.stores_dropped_other,
+        ),
+        (
+            "events_ignored_group",
+            "Events of a non-main KV cache group, ignored.",
+            a.events_ignored_group,
+        ),
+        (
+            "events_dropped_unknown_medium",
+            "Events dropped: unknown storage medium.",
+            a.events_dropped_unknown_medium,
+        ),
+        (
+            "events_dropped_non_local",
+            "Events dropped: not for a local rank.",
+            a.events_dropped_non_local,
+        ),
+        (
+            "events_dropped_unknown_type",
+            "Events dropped: unknown event type.",
+            a.events_dropped_unknown_type,
+        ),
+    ] {
+        registered(
+            &r,
+            IntCounter::new(format!("kvselect_ingest_{name}_total"), help).expect("valid"),
+        )
+        .inc_by(v);
     }
-    if let Some(mesh) = app.mesh() {
-        crate::mesh::render_metrics(mesh, &mut out);
+
+    let stream = ["worker_id", "dp_rank"];
+    let state = int_gauge_vec(
+        "kvselect_kv_stream_state",
+        "KV-event stream state per worker rank: 1 for the current state (connecting, live, replaying), 0 otherwise.",
+        &["worker_id", "dp_rank", "state"],
+    );
+    let last_seq = gauge_vec(
+        "kvselect_kv_stream_last_seq",
+        "Last applied KV-event sequence number per worker rank (absent before the first batch).",
+        &stream,
+    );
+    for l in &stats.listeners {
+        let (mut w, mut d) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let (w, d) = (w.format(l.worker_id), d.format(l.dp_rank));
+        for (s, name) in [
+            (ListenerState::Connecting, "connecting"),
+            (ListenerState::Live, "live"),
+            (ListenerState::Replaying, "replaying"),
+        ] {
+            state
+                .with_label_values(&[w, d, name])
+                .set(i64::from(l.state == s));
+        }
+        if let Some(seq) = l.last_seq {
+            last_seq.with_label_values(&[w, d]).set(seq as f64);
+        }
     }
-    let c = app.catalog.hub().stats().counters;
-    for (name, v) in [
-        ("messages", c.messages),
-        ("batches_applied", c.batches_applied),
-        ("malformed_dropped", c.malformed),
-        ("gaps", c.gaps),
-        ("gaps_lost", c.gaps_lost),
-        ("replays_started", c.replays_started),
-        ("replays_failed", c.replays_failed),
-        ("replayed_batches", c.replayed_batches),
-        ("engine_restarts", c.restarts),
-        ("stale_dropped", c.stale_dropped),
-        ("connect_errors", c.connect_errors),
-    ]
-    .into_iter()
-    .chain(
-        fields!(c.apply; events_applied, blocks_stored, blocks_removed, clears,
-        stores_dropped_block_size, stores_dropped_shape, stores_dropped_self_reference,
-        stores_dropped_unknown_parent, stores_dropped_other, events_ignored_group,
-        events_dropped_unknown_medium, events_dropped_non_local, events_dropped_unknown_type),
-    ) {
-        let _ = writeln!(out, "# TYPE kvselect_ingest_{name}_total counter");
-        let _ = writeln!(out, "kvselect_ingest_{name}_total {v}");
-    }
-    out
+    r
 }

@@ -1,5 +1,8 @@
 //! The tokio runtime, sized by `--threads` and optionally pinned to `--cores`,
-//! and the shutdown signal.
+//! and the process's file-descriptor limit.
+//!
+// getrlimit/setrlimit for the fd limit: two libc calls, each with its SAFETY note.
+#![allow(unsafe_code)]
 
 use crate::config::Config;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -36,25 +39,32 @@ pub fn build(config: &Config) -> std::io::Result<tokio::runtime::Runtime> {
     b.build()
 }
 
-/// Resolves on SIGINT or SIGTERM.
-pub async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = match signal(SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-                return;
-            }
-        };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
+/// Raises the soft `RLIMIT_NOFILE` towards `want` (up to the hard limit)
+/// and returns the soft limit now in force. Each connection costs one file
+/// descriptor; when they run out, accept fails and even /health goes
+/// unanswered.
+pub fn raise_fd_limit(want: u64) -> std::io::Result<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, writable rlimit for the duration of the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+    // rlim_t is u64 on Linux.
+    let want: libc::rlim_t = want;
+    if lim.rlim_cur >= want {
+        return Ok(lim.rlim_cur);
     }
+    let raised = libc::rlimit {
+        rlim_cur: want.min(lim.rlim_max),
+        rlim_max: lim.rlim_max,
+    };
+    // SAFETY: `raised` is a valid rlimit; lowering or keeping the hard limit
+    // needs no privilege.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(raised.rlim_cur)
 }

@@ -20,6 +20,13 @@ pub enum HttpError {
     InvalidPath(String),
     /// The client's body stream failed mid-way.
     BodyRead(String),
+    /// The body did not arrive within `--body-read-timeout-secs`.
+    BodyTimeout,
+    /// `--auth-token-file` is set and the request carries no bearer token
+    /// (`token_given: false`) or not one of ours.
+    Unauthorized {
+        token_given: bool,
+    },
 }
 
 impl From<ServiceError> for HttpError {
@@ -78,6 +85,18 @@ impl HttpError {
             HttpError::BodyRead(m) => (
                 StatusCode::BAD_REQUEST,
                 format!("Failed to buffer the request body: {m}"),
+            ),
+            HttpError::BodyTimeout => (
+                StatusCode::REQUEST_TIMEOUT,
+                "Failed to buffer the request body: timed out".to_string(),
+            ),
+            HttpError::Unauthorized { token_given } => (
+                StatusCode::UNAUTHORIZED,
+                if *token_given {
+                    "invalid bearer token".to_string()
+                } else {
+                    "missing bearer token (Authorization: Bearer <token>)".to_string()
+                },
             ),
         }
     }

@@ -1,103 +1,366 @@
-//! The HTTP front door: accept loop, routing, Content-Type (415) and body-limit
-//! (413) checks, then hand-off to [`App`]. Plain hyper 1.x; HTTP/1.1 with
-//! keep-alive and HTTP/2 (prior knowledge) on the same port.
+//! The HTTP front door: accept loop, connection bounds, authentication,
+//! routing, Content-Type (415) and body-limit (413) checks, then hand-off to
+//! [`App`]. Plain hyper 1.x; HTTP/1.1 with keep-alive and HTTP/2 (prior
+//! knowledge, or ALPN under TLS) on the same port.
 //!
-//! Checks run in the reference's order: route (404/405) -> Content-Type (415,
-//! before any body byte is read) -> body limit (413, enforced while
-//! streaming; a declared Content-Length over the limit fails at once) ->
-//! parse (400/422) -> handler.
+//! Checks run in the reference's order: bearer token (401, when
+//! `--auth-token-file` is set; /health is exempt) -> route (404/405) ->
+//! Content-Type (415, before any body byte is read) -> body limit (413,
+//! enforced while streaming; a declared Content-Length over the limit fails
+//! at once) -> body timeout (408) -> parse (400/422) -> handler.
+//!
+//! Memory: a body buffer grows with the bytes that have arrived, never with
+//! the declared Content-Length, and buffers kept for reuse are capped at
+//! [`BODY_POOL_MAX_CAPACITY`]; a client that declares 8 MiB and sends 18
+//! bytes costs a few KiB until its body timeout. Connections are capped by
+//! `--max-connections` and each is watched by `limits.rs`.
+//!
+//! Drain ([`Server::serve`] once `shutdown` resolves): /ready answers 503,
+//! the listener closes, every connection is told to finish (`limits.rs` says
+//! how), and `serve` returns when the last one has, or at
+//! `--shutdown-timeout-secs`, when the rest are dropped.
 
 pub mod error;
+pub mod limits;
 
 use crate::app::{App, Selection};
-use crate::parse::SelectKind;
+use crate::auth::{Auth, Verdict as AuthVerdict};
+use crate::metrics::{Metrics, Timeout};
+use crate::parse::{ParseError, SelectKind};
 use crate::pool::{Pool, Pooled};
 use bytes::Bytes;
 use error::{error_body, HttpError};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, ALLOW, CONTENT_LENGTH, CONTENT_TYPE};
-use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper::header::{
+    HeaderValue, ALLOW, AUTHORIZATION, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, WWW_AUTHENTICATE,
+};
+use hyper::{Method, Request, Response, StatusCode, Version};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+use limits::{Activity, HttpLimits, Tracked, Verdict, CLOSE_GRACE};
 use serde::Serialize;
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
-use tokio::net::TcpListener;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
-/// Idle body buffers kept per server; each may keep up to the body limit.
+/// Idle body buffers kept per server.
 const BODY_POOL_BUFFERS: usize = 16;
+/// A body buffer that grew past this is freed instead of kept for reuse, so
+/// that a burst of large bodies does not stay resident (a 100k-token prompt
+/// is about 600 KB of JSON).
+pub const BODY_POOL_MAX_CAPACITY: usize = 1024 * 1024;
+
+/// GET /openapi.json: the API as an OpenAPI 3.0 document, checked against the
+/// real routes by `tests/http_openapi.rs`.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// The `WWW-Authenticate` challenge of a 401.
+const BEARER_CHALLENGE: &str = "Bearer realm=\"kvselect\"";
+const BEARER_INVALID: &str = "Bearer realm=\"kvselect\", error=\"invalid_token\"";
 
 pub struct Server {
     app: Arc<App>,
     bodies: Pool<u8>,
+    metrics: Metrics,
+    limits: HttpLimits,
+    auth: Option<Arc<Auth>>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    builder: auto::Builder<TokioExecutor>,
 }
 
 type Resp = Response<Full<Bytes>>;
 
 impl Server {
+    /// A plain-HTTP server without authentication, whatever `app.config`
+    /// says about tokens and TLS (embedders and tests); see [`from_config`](Self::from_config).
     pub fn new(app: Arc<App>) -> Arc<Server> {
-        let bodies = Pool::new(BODY_POOL_BUFFERS, app.config.body_limit_bytes);
-        Arc::new(Server { app, bodies })
+        Arc::new(Server::build(app, None, None))
+    }
+
+    /// The server `app.config` describes: its token file and TLS files are
+    /// read now, and a failure to read them is an error.
+    pub fn from_config(app: Arc<App>) -> Result<Arc<Server>, String> {
+        let auth = match &app.config.auth_token_file {
+            Some(path) => Some(Arc::new(Auth::load(path)?)),
+            None => None,
+        };
+        let tls = match &app.config.tls {
+            Some(files) => Some(crate::tls::acceptor(files)?),
+            None => None,
+        };
+        Ok(Arc::new(Server::build(app, auth, tls)))
+    }
+
+    fn build(
+        app: Arc<App>,
+        auth: Option<Arc<Auth>>,
+        tls: Option<tokio_rustls::TlsAcceptor>,
+    ) -> Server {
+        let limits = app.config.limits;
+        let bodies = Pool::new(
+            BODY_POOL_BUFFERS,
+            BODY_POOL_MAX_CAPACITY.min(app.config.body_limit_bytes),
+        );
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        // hyper's header timeout would also cut idle keep-alive connections
+        // at the header timeout; limits.rs keeps both instead.
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(None);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(limits.http2_max_streams);
+        Server {
+            app,
+            bodies,
+            metrics: Metrics::new(),
+            limits,
+            auth,
+            tls,
+            builder,
+        }
     }
 
     pub fn app(&self) -> &Arc<App> {
         &self.app
     }
 
-    /// Serves connections from `listener` until `shutdown` resolves.
+    /// The tokens in force, when authentication is on (for SIGHUP reloads).
+    pub fn auth(&self) -> Option<&Arc<Auth>> {
+        self.auth.as_ref()
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Serves connections from `listener` until `shutdown` resolves, then
+    /// drains (see the module doc) and returns.
     pub async fn serve(self: Arc<Self>, listener: TcpListener, shutdown: impl Future<Output = ()>) {
+        let limits = self.limits;
+        let slots = Arc::new(Semaphore::new(limits.max_connections));
+        let (drain_tx, drain_rx) = watch::channel(false);
+        let (abort_tx, abort_rx) = watch::channel(false);
         tokio::pin!(shutdown);
         loop {
             let (stream, peer) = tokio::select! {
+                biased;
                 _ = &mut shutdown => break,
                 accepted = listener.accept() => match accepted {
                     Ok(a) => a,
                     Err(e) => {
                         // EMFILE and friends: back off briefly instead of spinning.
                         tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
                 },
             };
-            let _ = stream.set_nodelay(true);
+            let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
+                // Closing at once keeps the socket from holding a file
+                // descriptor and memory; queueing it would not bound either.
+                self.metrics.connection_rejected();
+                tracing::debug!(%peer, "connection refused: --max-connections reached");
+                drop(stream);
+                continue;
+            };
             let server = Arc::clone(&self);
+            let (drain, abort) = (drain_rx.clone(), abort_rx.clone());
             tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req| {
-                    let server = Arc::clone(&server);
-                    async move { Ok::<_, Infallible>(server.handle(req).await) }
-                });
-                if let Err(e) = auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await
-                {
-                    tracing::debug!(%peer, error = %e, "connection ended with error");
-                }
+                server.connection(stream, peer, permit, drain, abort).await;
             });
         }
         self.app.begin_shutdown();
+        drop(listener);
+        let _ = drain_tx.send(true);
+        let all = limits.max_connections as u32;
+        let open = limits.max_connections - slots.available_permits();
+        tracing::info!(
+            connections = open,
+            "listener closed; finishing in-flight requests"
+        );
+        let drained = tokio::time::timeout(limits.shutdown_timeout, slots.acquire_many(all)).await;
+        if drained.is_ok() {
+            tracing::info!("all connections finished");
+        } else {
+            let open = limits.max_connections - slots.available_permits();
+            tracing::warn!(
+                connections = open,
+                "shutdown deadline reached; closing the remaining connections"
+            );
+            let _ = abort_tx.send(true);
+        }
+    }
+
+    async fn connection(
+        self: Arc<Self>,
+        stream: TcpStream,
+        peer: SocketAddr,
+        _permit: OwnedSemaphorePermit,
+        drain: watch::Receiver<bool>,
+        mut abort: watch::Receiver<bool>,
+    ) {
+        self.metrics.connection_opened();
+        let _ = stream.set_nodelay(true);
+        let activity = Arc::new(Activity::new());
+        let io = Tracked::new(stream, Arc::clone(&activity));
+        match &self.tls {
+            None => self.drive(io, peer, activity, drain, abort).await,
+            Some(acceptor) => {
+                let handshake =
+                    tokio::time::timeout(self.limits.header_read_timeout, acceptor.accept(io));
+                tokio::select! {
+                    r = handshake => match r {
+                        Ok(Ok(tls)) => self.drive(tls, peer, activity, drain, abort).await,
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                        Err(_) => self.metrics.timeout(Timeout::Header),
+                    },
+                    _ = abort.changed() => {}
+                }
+            }
+        }
+        self.metrics.connection_closed();
+    }
+
+    /// Serves one connection under the watchdog of `limits.rs`.
+    async fn drive<S>(
+        self: &Arc<Self>,
+        io: S,
+        peer: SocketAddr,
+        activity: Arc<Activity>,
+        mut drain: watch::Receiver<bool>,
+        mut abort: watch::Receiver<bool>,
+    ) where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let service = {
+            let server = Arc::clone(self);
+            let activity = Arc::clone(&activity);
+            hyper::service::service_fn(move |req: Request<Incoming>| {
+                let in_flight = activity.begin(req.version() == Version::HTTP_2);
+                let server = Arc::clone(&server);
+                async move {
+                    let resp = server.handle(req).await;
+                    drop(in_flight);
+                    Ok::<_, Infallible>(resp)
+                }
+            })
+        };
+        let conn = self.builder.serve_connection(TokioIo::new(io), service);
+        tokio::pin!(conn);
+        let limits = self.limits;
+        let mut draining = *drain.borrow();
+        let mut tick = tokio::time::interval(Activity::check_period(&limits, draining));
+        let ended = |r: Result<(), _>| {
+            if let Err(e) = r {
+                tracing::debug!(%peer, error = %e, "connection ended with error");
+            }
+        };
+        let verdict = loop {
+            tokio::select! {
+                r = conn.as_mut() => return ended(r),
+                _ = tick.tick() => match activity.verdict(activity.now_ms(), &limits, draining) {
+                    Verdict::Keep => {}
+                    v => break v,
+                },
+                _ = drain.changed(), if !draining => {
+                    draining = true;
+                    tick = tokio::time::interval(Activity::check_period(&limits, true));
+                    if activity.is_http2() {
+                        break Verdict::DrainClose;
+                    }
+                }
+                _ = abort.changed() => return,
+            }
+        };
+        match verdict {
+            Verdict::HeaderTimeout => self.metrics.timeout(Timeout::Header),
+            Verdict::IdleTimeout => self.metrics.timeout(Timeout::Idle),
+            Verdict::DrainClose | Verdict::Keep => {}
+        }
+        tracing::debug!(%peer, ?verdict, "closing connection");
+        conn.as_mut().graceful_shutdown();
+        if verdict == Verdict::DrainClose {
+            // HTTP/2 streams in flight finish; the drain deadline bounds them.
+            tokio::select! {
+                r = conn.as_mut() => ended(r),
+                _ = abort.changed() => {}
+            }
+        } else if let Ok(r) = tokio::time::timeout(CLOSE_GRACE, conn.as_mut()).await {
+            ended(r);
+        }
     }
 
     async fn handle(&self, req: Request<Incoming>) -> Resp {
+        let started = Instant::now();
+        let route = route_label(req.uri().path());
         let head_only = req.method() == Method::HEAD;
-        let mut resp = match self.route(req).await {
-            Ok((status, body)) => json(status, body),
-            Err(e) => {
-                let (status, msg) = e.status_and_message();
-                let mut r = json(status, error_body(&msg));
-                if let HttpError::MethodNotAllowed { allow } = e {
-                    r.headers_mut()
-                        .insert(ALLOW, HeaderValue::from_static(allow));
-                }
+        let http1 = req.version() <= Version::HTTP_11;
+        let mut close = false;
+        let mut resp = match self.authorize(&req, route) {
+            Err(e) => error_response(e),
+            Ok(()) if route == "/metrics" && (head_only || req.method() == Method::GET) => {
+                let mut r = Response::new(Full::new(Bytes::from(self.metrics.render(&self.app))));
+                r.headers_mut().insert(
+                    CONTENT_TYPE,
+                    HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
+                );
                 r
             }
+            Ok(()) => match self.route(req).await {
+                Ok((status, body)) => json(status, body),
+                Err(e) => {
+                    close = matches!(e, HttpError::BodyTimeout);
+                    error_response(e)
+                }
+            },
         };
+        if http1 && (close || self.app.is_shutting_down()) {
+            resp.headers_mut()
+                .insert(CONNECTION, HeaderValue::from_static("close"));
+        }
         if head_only {
             *resp.body_mut() = Full::new(Bytes::new());
         }
+        self.metrics
+            .request(route, resp.status().as_u16(), started.elapsed());
         resp
+    }
+
+    /// Every route but /health needs a bearer token when tokens are set.
+    fn authorize(&self, req: &Request<Incoming>, route: &'static str) -> Result<(), HttpError> {
+        let Some(auth) = &self.auth else {
+            return Ok(());
+        };
+        if route == "/health" {
+            return Ok(());
+        }
+        let header = req.headers().get(AUTHORIZATION).map(HeaderValue::as_bytes);
+        match auth.check(header) {
+            AuthVerdict::Allowed => Ok(()),
+            AuthVerdict::Missing => Err(HttpError::Unauthorized { token_given: false }),
+            AuthVerdict::Invalid => Err(HttpError::Unauthorized { token_given: true }),
+        }
+    }
+
+    /// Runs a body parser, timing it.
+    fn parse<T>(
+        &self,
+        body: &'static str,
+        f: impl FnOnce() -> Result<T, ParseError>,
+    ) -> Result<T, HttpError> {
+        let started = Instant::now();
+        let r = f();
+        self.metrics.parse_time(body, started.elapsed());
+        Ok(r?)
     }
 
     async fn route(&self, req: Request<Incoming>) -> Routed {
@@ -129,33 +392,44 @@ impl Server {
             }
             ["workers"] if post => {
                 let body = self.body(req).await?;
-                created(&app.upsert_worker(app.parser.worker_upsert(&body)?))
+                created(
+                    &app.upsert_worker(self.parse("worker", || app.parser.worker_upsert(&body))?),
+                )
             }
             ["workers"] => not_allowed("GET,HEAD,POST"),
             ["workers", id] if method == Method::PATCH => {
                 let id = parse_u64(id)?;
                 let body = self.body(req).await?;
-                ok(&app.patch_worker(id, app.parser.worker_patch(&body)?)?)
+                ok(&app
+                    .patch_worker(id, self.parse("worker", || app.parser.worker_patch(&body))?)?)
             }
             ["workers", id] if method == Method::DELETE => ok(&app.delete_worker(parse_u64(id)?)?),
             ["workers", _] => not_allowed("PATCH,DELETE"),
             ["select"] if post => {
                 let body = self.body(req).await?;
                 let kind = SelectKind::Select;
-                let sel = app.select(&app.parser.select(&body, kind)?, kind)?;
+                let sel = app.select(
+                    &self.parse("select", || app.parser.select(&body, kind))?,
+                    kind,
+                )?;
                 Ok((StatusCode::OK, selection_json(&sel)))
             }
             ["select"] => not_allowed("POST"),
             ["select_and_reserve"] if post => {
                 let body = self.body(req).await?;
                 let kind = SelectKind::SelectAndReserve;
-                let sel = app.select(&app.parser.select(&body, kind)?, kind)?;
+                let sel = app.select(
+                    &self.parse("select", || app.parser.select(&body, kind))?,
+                    kind,
+                )?;
                 Ok((StatusCode::OK, selection_json(&sel)))
             }
             ["select_and_reserve"] => not_allowed("POST"),
             ["reservations"] if post => {
                 let body = self.body(req).await?;
-                created(&app.create_reservation(&app.parser.reservation(&body)?)?)
+                created(&app.create_reservation(
+                    &self.parse("reservation", || app.parser.reservation(&body))?,
+                )?)
             }
             ["reservations"] => not_allowed("POST"),
             ["reservations", id] if !id.is_empty() => {
@@ -177,7 +451,9 @@ impl Server {
                     return not_allowed("POST");
                 }
                 let body = self.body(req).await?;
-                let decay = app.parser.output_block(&body)?.decay_fraction;
+                let decay = self
+                    .parse("output_block", || app.parser.output_block(&body))?
+                    .decay_fraction;
                 app.output_block(&percent_decode(id), decay)?;
                 status_ok()
             }
@@ -188,23 +464,28 @@ impl Server {
             ["loads"] => not_allowed(GET_HEAD),
             ["potential_loads"] if post => {
                 let body = self.body(req).await?;
-                ok(&app.potential_loads(&app.parser.prompt_query(&body)?)?)
+                ok(&app.potential_loads(
+                    &self.parse("prompt_query", || app.parser.prompt_query(&body))?,
+                )?)
             }
             ["potential_loads"] => not_allowed("POST"),
             ["overlap_scores"] if post => {
                 let body = self.body(req).await?;
-                ok(&app.overlap_scores(&app.parser.prompt_query(&body)?)?)
+                ok(&app.overlap_scores(
+                    &self.parse("prompt_query", || app.parser.prompt_query(&body))?,
+                )?)
             }
             ["overlap_scores"] => not_allowed("POST"),
             ["dump"] if get => Ok((StatusCode::OK, app.dump().into_bytes())),
             ["dump"] => not_allowed(GET_HEAD),
-            ["metrics"] if get => Ok((StatusCode::OK, crate::metrics::render(app).into_bytes())),
             ["metrics"] => not_allowed(GET_HEAD),
+            ["openapi.json"] if get => Ok((StatusCode::OK, OPENAPI.as_bytes().to_vec())),
+            ["openapi.json"] => not_allowed(GET_HEAD),
             ["replica_sync", "peers"] if get => ok(&app.replica_peers()),
             ["replica_sync", "peers"] => not_allowed(GET_HEAD),
             ["replica_sync", "register_peer"] if post => {
                 let body = self.body(req).await?;
-                let endpoint = app.parser.peer_endpoint(&body)?;
+                let endpoint = self.parse("peer", || app.parser.peer_endpoint(&body))?;
                 let status = if app.register_replica_peer(&endpoint)? {
                     StatusCode::CREATED
                 } else {
@@ -214,7 +495,7 @@ impl Server {
             }
             ["replica_sync", "deregister_peer"] if post => {
                 let body = self.body(req).await?;
-                let endpoint = app.parser.peer_endpoint(&body)?;
+                let endpoint = self.parse("peer", || app.parser.peer_endpoint(&body))?;
                 app.deregister_replica_peer(&endpoint)?;
                 status_ok()
             }
@@ -240,18 +521,26 @@ impl Server {
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(HttpError::PayloadTooLarge);
         }
+        // Grows with what arrives (Vec doubling), never with `declared`.
         let mut buf = self.bodies.take();
-        if let Some(n) = declared {
-            buf.reserve(n as usize);
-        }
         let mut body = req.into_body();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| HttpError::BodyRead(e.to_string()))?;
-            if let Ok(data) = frame.into_data() {
-                if buf.len() + data.len() > limit {
-                    return Err(HttpError::PayloadTooLarge);
+        let read = async {
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| HttpError::BodyRead(e.to_string()))?;
+                if let Ok(data) = frame.into_data() {
+                    if buf.len() + data.len() > limit {
+                        return Err(HttpError::PayloadTooLarge);
+                    }
+                    buf.extend_from_slice(&data);
                 }
-                buf.extend_from_slice(&data);
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(self.limits.body_read_timeout, read).await {
+            Ok(r) => r?,
+            Err(_) => {
+                self.metrics.timeout(Timeout::Body);
+                return Err(HttpError::BodyTimeout);
             }
         }
         Ok(buf)
@@ -305,6 +594,60 @@ fn json(status: StatusCode, body: Vec<u8>) -> Resp {
     r.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     r
+}
+
+fn error_response(e: HttpError) -> Resp {
+    let (status, msg) = e.status_and_message();
+    let mut r = json(status, error_body(&msg));
+    match e {
+        HttpError::MethodNotAllowed { allow } => {
+            r.headers_mut()
+                .insert(ALLOW, HeaderValue::from_static(allow));
+        }
+        HttpError::Unauthorized { token_given } => {
+            let challenge = if token_given {
+                BEARER_INVALID
+            } else {
+                BEARER_CHALLENGE
+            };
+            r.headers_mut()
+                .insert(WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
+        }
+        _ => {}
+    }
+    r
+}
+
+/// The route template of `path`, a fixed label set for metrics; paths that
+/// match no route are `other`.
+pub fn route_label(path: &str) -> &'static str {
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    match segments.as_slice() {
+        ["health"] => "/health",
+        ["ready"] => "/ready",
+        ["workers"] => "/workers",
+        ["workers", _] => "/workers/{worker_id}",
+        ["select"] => "/select",
+        ["select_and_reserve"] => "/select_and_reserve",
+        ["reservations"] => "/reservations",
+        ["reservations", id] if !id.is_empty() => "/reservations/{selection_id}",
+        ["reservations", id, "prefill_complete"] if !id.is_empty() => {
+            "/reservations/{selection_id}/prefill_complete"
+        }
+        ["reservations", id, "output_block"] if !id.is_empty() => {
+            "/reservations/{selection_id}/output_block"
+        }
+        ["loads"] => "/loads",
+        ["potential_loads"] => "/potential_loads",
+        ["overlap_scores"] => "/overlap_scores",
+        ["dump"] => "/dump",
+        ["metrics"] => "/metrics",
+        ["openapi.json"] => "/openapi.json",
+        ["replica_sync", "peers"] => "/replica_sync/peers",
+        ["replica_sync", "register_peer"] => "/replica_sync/register_peer",
+        ["replica_sync", "deregister_peer"] => "/replica_sync/deregister_peer",
+        _ => "other",
+    }
 }
 
 /// `application/json` or `application/*+json`, with any parameters.

@@ -2,6 +2,7 @@
 //! HTTP/1.1 client, and a real ZMQ PUB publishing vLLM-format KV events.
 #![allow(dead_code)]
 
+
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
@@ -71,7 +72,7 @@ pub async fn start_with(config: Config) -> TestServer {
     let addr = listener.local_addr().unwrap();
     let app = Arc::new(App::new(config));
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let server = Server::new(Arc::clone(&app));
+    let server = Server::from_config(Arc::clone(&app)).expect("server config");
     tokio::spawn(server.serve(listener, async move {
         let _ = rx.await;
     }));
@@ -168,6 +169,18 @@ impl TestServer {
             .find(|l| l.split(' ').next() == Some(name))
             .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{text}"));
         line.rsplit(' ').next().unwrap().parse().unwrap()
+    }
+
+    /// The value of one labelled /metrics series, e.g.
+    /// `metric_labelled("kvselect_http_timeouts_total", "kind=\"idle\"")`;
+    /// 0 when absent.
+    pub async fn metric_labelled(&self, name: &str, label: &str) -> u64 {
+        let text = self.get("/metrics").await.text();
+        let prefix = format!("{name}{{");
+        text.lines()
+            .filter(|l| l.starts_with(&prefix) && l.contains(label))
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap() as u64)
+            .sum()
     }
 
     pub async fn load_row(&self, model: &str, worker_id: u64, dp_rank: u32) -> Value {

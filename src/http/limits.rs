@@ -1,0 +1,284 @@
+//! Per-connection bounds: what a connection is doing, and when the server
+//! closes it on its own.
+//!
+//! hyper's own HTTP/1 header timeout also runs while a keep-alive connection
+//! waits for its next request, so it cannot be longer than the idle timeout;
+//! and hyper has no idle timeout. Both are therefore kept here, by one
+//! watchdog per connection reading an [`Activity`] that three parties update:
+//! the socket wrapper [`Tracked`] (bytes read and written), the service
+//! (requests in flight) and the drain (see `http::Server::serve`).
+//!
+//! The rules, checked by [`Activity::verdict`] (pure, unit-tested below):
+//! - a request in flight is never cut here (its body has its own timeout in
+//!   `Server::body`, its handler is bounded by the drain deadline);
+//! - HTTP/1: once the first byte of a request head arrives (or the connection
+//!   opens), the head must be complete within the header timeout;
+//! - no request in flight and nothing written for the idle timeout: close;
+//! - draining: HTTP/2 connections get GOAWAY at once (open streams finish);
+//!   an HTTP/1 connection is closed once it has been quiet for
+//!   [`DRAIN_QUIET`] between requests, and every response while draining
+//!   carries `Connection: close`, so a client in the middle of a
+//!   request/response loop gets its answer rather than a reset.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+pub use crate::config::HttpLimits;
+
+/// While draining, an HTTP/1 connection with no request in flight and no
+/// bytes moving for this long is closed.
+pub const DRAIN_QUIET: Duration = Duration::from_millis(250);
+
+/// After the server starts closing a connection because of a timeout, it
+/// drops the socket if the connection has not ended by then.
+pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// Milliseconds since the connection opened; 0 means "not set".
+type Ms = u64;
+
+/// What one connection is doing; shared by its socket, service and watchdog.
+pub struct Activity {
+    opened: Instant,
+    /// Last successful write of at least one byte.
+    last_write: AtomicU64,
+    /// First byte of a request head not yet complete (HTTP/1), else 0.
+    head_since: AtomicU64,
+    /// When the last request in flight ended (or the connection opened).
+    idle_since: AtomicU64,
+    in_flight: AtomicU32,
+    http2: AtomicBool,
+}
+
+/// What the watchdog should do with a connection now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Keep,
+    HeaderTimeout,
+    IdleTimeout,
+    /// Draining: close gracefully (GOAWAY for HTTP/2).
+    DrainClose,
+}
+
+impl Default for Activity {
+    fn default() -> Self {
+        Activity::new()
+    }
+}
+
+impl Activity {
+    pub fn new() -> Activity {
+        Activity {
+            opened: Instant::now(),
+            last_write: AtomicU64::new(0),
+            // The connection's first head is due from the moment it opens.
+            head_since: AtomicU64::new(1),
+            idle_since: AtomicU64::new(1),
+            in_flight: AtomicU32::new(0),
+            http2: AtomicBool::new(false),
+        }
+    }
+
+    /// Now, in ms since the connection opened, never 0.
+    pub fn now_ms(&self) -> Ms {
+        self.opened.elapsed().as_millis() as u64 + 1
+    }
+
+    fn on_read(&self) {
+        if self.in_flight.load(Ordering::Relaxed) == 0 {
+            let _ = self.head_since.compare_exchange(
+                0,
+                self.now_ms(),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    fn on_write(&self) {
+        self.last_write.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// A request's head is complete and its handler starts; the guard ends it.
+    pub fn begin(self: &Arc<Self>, http2: bool) -> InFlight {
+        if http2 {
+            self.http2.store(true, Ordering::Relaxed);
+        }
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        self.head_since.store(0, Ordering::Relaxed);
+        InFlight(Arc::clone(self))
+    }
+
+    pub fn is_http2(&self) -> bool {
+        self.http2.load(Ordering::Relaxed)
+    }
+
+    /// The rules of the module doc, at `now` (ms since the connection opened).
+    pub fn verdict(&self, now: Ms, limits: &HttpLimits, draining: bool) -> Verdict {
+        if self.in_flight.load(Ordering::SeqCst) > 0 {
+            return Verdict::Keep;
+        }
+        let since = |t: Ms| Duration::from_millis(now.saturating_sub(t));
+        let http2 = self.is_http2();
+        let head_since = self.head_since.load(Ordering::Relaxed);
+        // HTTP/2 has no head rule: its frames are bounded by the h2 codec.
+        let head_pending = !http2 && head_since != 0;
+        if head_pending && since(head_since) >= limits.header_read_timeout {
+            return Verdict::HeaderTimeout;
+        }
+        let quiet_since = self
+            .idle_since
+            .load(Ordering::Relaxed)
+            .max(self.last_write.load(Ordering::Relaxed));
+        if draining && (http2 || (!head_pending && since(quiet_since) >= DRAIN_QUIET)) {
+            return Verdict::DrainClose;
+        }
+        if !head_pending && since(quiet_since) >= limits.idle_timeout {
+            return Verdict::IdleTimeout;
+        }
+        Verdict::Keep
+    }
+
+    /// How often the watchdog should look.
+    pub fn check_period(limits: &HttpLimits, draining: bool) -> Duration {
+        if draining {
+            return DRAIN_QUIET / 2;
+        }
+        (limits.header_read_timeout.min(limits.idle_timeout) / 4)
+            .clamp(Duration::from_millis(20), Duration::from_secs(1))
+    }
+}
+
+/// A request in flight; ending it marks the connection idle from now.
+pub struct InFlight(Arc<Activity>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let a = &self.0;
+        a.idle_since.store(a.now_ms(), Ordering::Relaxed);
+        a.head_since.store(0, Ordering::Relaxed);
+        a.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A socket that reports its reads and writes to an [`Activity`].
+pub struct Tracked<S> {
+    inner: S,
+    activity: Arc<Activity>,
+}
+
+impl<S> Tracked<S> {
+    pub fn new(inner: S, activity: Arc<Activity>) -> Tracked<S> {
+        Tracked { inner, activity }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Tracked<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.activity.on_read();
+        }
+        r
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.on_write();
+        }
+        r
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.on_write();
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> HttpLimits {
+        HttpLimits {
+            header_read_timeout: Duration::from_millis(100),
+            idle_timeout: Duration::from_millis(1000),
+            ..HttpLimits::default()
+        }
+    }
+
+    #[test]
+    fn a_silent_new_connection_meets_the_header_timeout() {
+        let a = Activity::new();
+        assert_eq!(a.verdict(50, &limits(), false), Verdict::Keep);
+        assert_eq!(a.verdict(102, &limits(), false), Verdict::HeaderTimeout);
+    }
+
+    #[test]
+    fn an_idle_keep_alive_connection_meets_the_idle_timeout_only() {
+        let a = Arc::new(Activity::new());
+        drop(a.begin(false)); // one request served at ~1 ms
+        assert_eq!(a.verdict(500, &limits(), false), Verdict::Keep);
+        assert_eq!(a.verdict(1100, &limits(), false), Verdict::IdleTimeout);
+        // A head starting at 200 ms is due at 300 ms.
+        a.head_since.store(200, Ordering::Relaxed);
+        assert_eq!(a.verdict(250, &limits(), false), Verdict::Keep);
+        assert_eq!(a.verdict(301, &limits(), false), Verdict::HeaderTimeout);
+    }
+
+    #[test]
+    fn requests_in_flight_are_never_cut() {
+        let a = Arc::new(Activity::new());
+        let _g = a.begin(false);
+        assert_eq!(a.verdict(1_000_000, &limits(), true), Verdict::Keep);
+    }
+
+    #[test]
+    fn draining_closes_quiet_http1_and_any_idle_http2() {
+        let a = Arc::new(Activity::new());
+        drop(a.begin(false));
+        let t = a.idle_since.load(Ordering::Relaxed);
+        assert_eq!(a.verdict(t + 10, &limits(), true), Verdict::Keep);
+        assert_eq!(a.verdict(t + 260, &limits(), true), Verdict::DrainClose);
+        let b = Arc::new(Activity::new());
+        drop(b.begin(true));
+        assert_eq!(b.verdict(2, &limits(), true), Verdict::DrainClose);
+        b.on_read();
+        assert_eq!(b.verdict(500, &limits(), false), Verdict::Keep);
+        assert_eq!(b.verdict(1100, &limits(), false), Verdict::IdleTimeout);
+    }
+}

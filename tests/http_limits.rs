@@ -1,0 +1,330 @@
+//! Regression tests of the connection-bounds findings: stalled uploads took
+//! the memory (the declared Content-Length was reserved up front), nothing
+//! timed out partial heads or idle connections, and there was no connection
+//! cap, so /health stopped answering when file descriptors ran out.
+
+mod common;
+#[path = "common/process.rs"]
+mod process;
+
+use process::{parse_response, request, Binary};
+use common::{start_with, test_config};
+use kvselect::config::HttpLimits;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const STALLED: usize = 1000;
+const DECLARED: usize = 8 * 1024 * 1024;
+
+/// The head of an upload that declares 8 MiB, and its first 18 body bytes.
+fn stalled_upload() -> Vec<u8> {
+    let mut r = format!(
+        "POST /select HTTP/1.1\r\nHost: kvselect\r\nContent-Type: application/json\r\nContent-Length: {DECLARED}\r\n\r\n"
+    )
+    .into_bytes();
+    r.extend_from_slice(br#"{"model_name":"m",#"#);
+    r
+}
+
+/// Time to connect, GET /health and read the whole answer.
+fn health_latency(addr: SocketAddr) -> Duration {
+    let t = Instant::now();
+    let r = request(addr, "GET", "/health", &[], b"");
+    assert_eq!(r.status, 200);
+    t.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_8mib_uploads_cost_little_memory_and_are_dropped_by_the_body_timeout() {
+    // 1,000 client sockets here, 1,000 in the server.
+    kvselect::runtime::raise_fd_limit(4096).unwrap();
+    let server = Binary::start(&[
+        "--body-read-timeout-secs",
+        "8",
+        "--threads",
+        "2",
+        "--max-connections",
+        "2000",
+    ]);
+    let addr = server.addr;
+    for _ in 0..20 {
+        health_latency(addr);
+    }
+    let baseline = server.rss();
+
+    let upload = stalled_upload();
+    let mut conns = Vec::with_capacity(STALLED);
+    let opened = Instant::now();
+    for _ in 0..STALLED {
+        let mut s = TcpStream::connect(addr).await.expect("connect");
+        s.write_all(&upload).await.unwrap();
+        conns.push(s);
+    }
+    let open_took = opened.elapsed();
+    assert!(
+        open_took < Duration::from_secs(6),
+        "opening took {open_took:?}"
+    );
+    // Every upload is now stalled inside the server; watch memory and
+    // /health for 2 s, before the body timeout answers them.
+    let mut peak = server.rss();
+    let mut worst = Duration::ZERO;
+    let mut probes = 0;
+    let probing = Instant::now();
+    while probing.elapsed() < Duration::from_secs(2) {
+        let lat = tokio::task::spawn_blocking(move || health_latency(addr))
+            .await
+            .unwrap();
+        worst = worst.max(lat);
+        probes += 1;
+        peak = peak.max(server.rss());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Each stalled upload gets 408 with Connection: close, then EOF.
+    let mut timed_out = 0;
+    for mut s in conns {
+        let mut raw = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut raw)).await;
+        if let Ok(Ok(_)) = read {
+            if let Some(r) = parse_response(&raw) {
+                assert_eq!(r.status, 408, "{}", r.head);
+                assert_eq!(r.header("connection").as_deref(), Some("close"));
+                timed_out += 1;
+            }
+        }
+        peak = peak.max(server.rss());
+    }
+    let answered_by = opened.elapsed();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for _ in 0..20 {
+        health_latency(addr);
+    }
+    let after = server.rss();
+    let mb = |b: u64| b as f64 / 1e6;
+    eprintln!(
+        "RSS baseline {:.1} MB, peak {:.1} MB (+{:.1} MB) with {STALLED} stalled 8 MiB uploads, after {:.1} MB; \
+         /health worst {:?} over {probes} probes; {STALLED} opened in {:?}, {timed_out} answered 408 within {:?}",
+        mb(baseline),
+        mb(peak),
+        mb(peak.saturating_sub(baseline)),
+        mb(after),
+        worst,
+        open_took,
+        answered_by
+    );
+    assert!(probes >= 20, "{probes} /health probes");
+    assert_eq!(timed_out, STALLED, "every stalled upload is answered 408");
+    assert!(
+        peak.saturating_sub(baseline) < 256_000_000,
+        "stalled uploads added {:.1} MB",
+        mb(peak - baseline)
+    );
+    assert!(worst < Duration::from_millis(50), "/health took {worst:?}");
+    assert!(
+        after.saturating_sub(baseline) < 64_000_000,
+        "memory after the flood: {:.1} MB over the baseline",
+        mb(after - baseline)
+    );
+}
+
+fn limits(f: impl FnOnce(&mut HttpLimits)) -> kvselect::config::Config {
+    let mut c = test_config();
+    f(&mut c.limits);
+    c
+}
+
+/// Reads until EOF or error; `Some(bytes)` when the server closed in time.
+async fn closed_within(s: &mut TcpStream, t: Duration) -> Option<Vec<u8>> {
+    let mut raw = Vec::new();
+    match tokio::time::timeout(t, s.read_to_end(&mut raw)).await {
+        Ok(_) => Some(raw),
+        Err(_) => None,
+    }
+}
+
+#[tokio::test]
+async fn partial_heads_and_silent_connections_meet_the_header_timeout() {
+    let s = start_with(limits(|l| {
+        l.header_read_timeout = Duration::from_millis(300);
+        l.idle_timeout = Duration::from_secs(30);
+    }))
+    .await;
+    let mut silent = TcpStream::connect(s.addr).await.unwrap();
+    let mut partial = TcpStream::connect(s.addr).await.unwrap();
+    partial
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let t = Instant::now();
+    assert!(closed_within(&mut silent, Duration::from_secs(3))
+        .await
+        .is_some());
+    assert!(closed_within(&mut partial, Duration::from_secs(3))
+        .await
+        .is_some());
+    assert!(
+        t.elapsed() >= Duration::from_millis(250),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(
+        s.metric_labelled("kvselect_http_timeouts_total", "kind=\"header\"")
+            .await,
+        2
+    );
+}
+
+#[tokio::test]
+async fn idle_keep_alive_connections_meet_the_idle_timeout_not_the_header_timeout() {
+    let s = start_with(limits(|l| {
+        l.header_read_timeout = Duration::from_millis(200);
+        l.idle_timeout = Duration::from_millis(1200);
+    }))
+    .await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    let get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+    let mut buf = [0u8; 4096];
+    for _ in 0..2 {
+        c.write_all(get).await.unwrap();
+        let n = c.read(&mut buf).await.unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+        // Longer than the header timeout, shorter than the idle timeout.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let t = Instant::now();
+    assert!(closed_within(&mut c, Duration::from_secs(5))
+        .await
+        .is_some());
+    let idle = t.elapsed() + Duration::from_millis(500);
+    assert!(
+        idle >= Duration::from_millis(1100),
+        "closed after {idle:?} idle"
+    );
+    assert_eq!(
+        s.metric_labelled("kvselect_http_timeouts_total", "kind=\"idle\"")
+            .await,
+        1
+    );
+}
+
+#[tokio::test]
+async fn connections_beyond_the_cap_are_closed_and_health_answers_again() {
+    let s = start_with(limits(|l| l.max_connections = 8)).await;
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        let mut c = TcpStream::connect(s.addr).await.unwrap();
+        c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 1024];
+        assert!(c.read(&mut buf).await.unwrap() > 0);
+        held.push(c);
+    }
+    let mut extra = TcpStream::connect(s.addr).await.unwrap();
+    let _ = extra
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await;
+    let raw = closed_within(&mut extra, Duration::from_secs(2))
+        .await
+        .expect("closed at once");
+    assert!(raw.is_empty(), "{}", String::from_utf8_lossy(&raw));
+    drop(held);
+    let ok = common::eventually(Duration::from_secs(3), || async {
+        let addr = s.addr;
+        tokio::task::spawn_blocking(move || request(addr, "GET", "/health", &[], b"").status)
+            .await
+            .unwrap()
+            == 200
+    })
+    .await;
+    assert!(ok);
+    assert!(s.metric("kvselect_http_connections_rejected_total").await >= 1);
+}
+
+#[tokio::test]
+async fn a_body_that_stalls_gets_408_and_memory_follows_the_bytes_that_arrived() {
+    let s = start_with(limits(|l| l.body_read_timeout = Duration::from_millis(300))).await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    c.write_all(&stalled_upload()).await.unwrap();
+    let raw = closed_within(&mut c, Duration::from_secs(3))
+        .await
+        .expect("answered and closed");
+    let r = parse_response(&raw).expect("a response");
+    assert_eq!(r.status, 408);
+    assert_eq!(r.header("connection").as_deref(), Some("close"));
+    assert_eq!(
+        String::from_utf8_lossy(&r.body),
+        r#"{"error":"Failed to buffer the request body: timed out"}"#
+    );
+}
+
+/// A request body that sends `first` and then never ends.
+struct Stalled(Option<bytes::Bytes>);
+
+impl hyper::body::Body for Stalled {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Self::Error>>> {
+        match self.0.take() {
+            Some(b) => std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(b)))),
+            None => std::task::Poll::Pending,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_http2_streams_cost_little_memory() {
+    const STREAMS: usize = 100;
+    let server = Binary::start(&["--body-read-timeout-secs", "3", "--threads", "2"]);
+    for _ in 0..10 {
+        health_latency(server.addr);
+    }
+    let baseline = server.rss();
+    let tcp = TcpStream::connect(server.addr).await.unwrap();
+    let (send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let mut pending = Vec::new();
+    for _ in 0..STREAMS {
+        let req = hyper::Request::post("http://kvselect/select")
+            .header("content-type", "application/json")
+            .header("content-length", DECLARED.to_string())
+            .body(Stalled(Some(bytes::Bytes::from_static(
+                br#"{"model_name":"m","#,
+            ))))
+            .unwrap();
+        let mut send = send.clone();
+        pending.push(tokio::spawn(async move { send.send_request(req).await }));
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let peak = server.rss();
+    let mut statuses = Vec::new();
+    for p in pending {
+        let r = tokio::time::timeout(Duration::from_secs(10), p)
+            .await
+            .expect("answered by the body timeout")
+            .unwrap()
+            .expect("a response");
+        statuses.push(r.status().as_u16());
+    }
+    eprintln!(
+        "HTTP/2: {STREAMS} stalled 8 MiB streams on one connection: RSS {:.1} MB -> {:.1} MB",
+        baseline as f64 / 1e6,
+        peak as f64 / 1e6
+    );
+    assert!(statuses.iter().all(|&s| s == 408), "{statuses:?}");
+    assert!(
+        peak.saturating_sub(baseline) < 32_000_000,
+        "{STREAMS} stalled streams added {} bytes",
+        peak - baseline
+    );
+}
