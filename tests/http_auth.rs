@@ -8,10 +8,10 @@ mod common;
 mod process;
 
 use bytes::Bytes;
-use process::{request, Binary};
 use common::{start_with, test_config};
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
+use process::{request, Binary};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;

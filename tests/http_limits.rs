@@ -7,9 +7,9 @@ mod common;
 #[path = "common/process.rs"]
 mod process;
 
-use process::{parse_response, request, Binary};
 use common::{start_with, test_config};
 use kvselect::config::HttpLimits;
+use process::{parse_response, request, Binary};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -7,8 +7,8 @@ mod common;
 #[path = "common/process.rs"]
 mod process;
 
-use process::{parse_response, request, RawResponse};
 use common::{start_with, test_config, TestServer};
+use process::{parse_response, request, RawResponse};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as PropConfig, TestRunner};
 use serde_json::{json, Map, Value};

@@ -2,7 +2,6 @@
 //! HTTP/1.1 client, and a real ZMQ PUB publishing vLLM-format KV events.
 #![allow(dead_code)]
 
-
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
