@@ -110,6 +110,15 @@ fn resolved<'py>(py: Python<'py>, r: PyResult<Bound<'py, PyAny>>) -> PyResult<Bo
     Ok(fut)
 }
 
+/// An engine reply as an already resolved future: the value as Python
+/// objects, or the error mapped to its exception.
+fn answer<'py, T: serde::Serialize>(
+    py: Python<'py>,
+    r: Result<T, kvselect::app::ServiceError>,
+) -> PyResult<Bound<'py, PyAny>> {
+    resolved(py, r.map_err(to_py).and_then(|v| to_object(py, &v)))
+}
+
 fn to_object<'py, T: serde::Serialize>(py: Python<'py>, v: &T) -> PyResult<Bound<'py, PyAny>> {
     pythonize::pythonize(py, v).map_err(PyErr::from)
 }
@@ -303,19 +312,11 @@ impl SelectionService {
             d.set_item("worker_id", worker_id)?;
         }
         let fields = extract::worker_fields(&d)?;
-        let r = py
-            .detach(|| self.app.patch_worker(worker_id, fields))
-            .map_err(to_py)
-            .and_then(|rec| to_object(py, &rec));
-        resolved(py, r)
+        answer(py, py.detach(|| self.app.patch_worker(worker_id, fields)))
     }
 
     fn delete_worker<'py>(&self, py: Python<'py>, worker_id: u64) -> PyResult<Bound<'py, PyAny>> {
-        let r = py
-            .detach(|| self.app.delete_worker(worker_id))
-            .map_err(to_py)
-            .and_then(|rec| to_object(py, &rec));
-        resolved(py, r)
+        answer(py, py.detach(|| self.app.delete_worker(worker_id)))
     }
 
     #[pyo3(signature = (*, model_name=None, routing_group=None))]
@@ -356,11 +357,7 @@ impl SelectionService {
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let req = extract::prompt_query_request(&self.app.parser, request)?;
-        let r = py
-            .detach(|| self.app.overlap_scores(&req))
-            .map_err(to_py)
-            .and_then(|v| to_object(py, &v));
-        resolved(py, r)
+        answer(py, py.detach(|| self.app.overlap_scores(&req)))
     }
 
     fn potential_loads<'py>(
@@ -369,11 +366,7 @@ impl SelectionService {
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let req = extract::prompt_query_request(&self.app.parser, request)?;
-        let r = py
-            .detach(|| self.app.potential_loads(&req))
-            .map_err(to_py)
-            .and_then(|v| to_object(py, &v));
-        resolved(py, r)
+        answer(py, py.detach(|| self.app.potential_loads(&req)))
     }
 
     // ----- reservations -----
@@ -384,11 +377,7 @@ impl SelectionService {
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let req = extract::reservation_request(&self.app.parser, request)?;
-        let r = py
-            .detach(|| self.app.create_reservation(&req))
-            .map_err(to_py)
-            .and_then(|v| to_object(py, &v));
-        resolved(py, r)
+        answer(py, py.detach(|| self.app.create_reservation(&req)))
     }
 
     fn prefill_complete<'py>(
