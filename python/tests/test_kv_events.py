@@ -23,15 +23,26 @@ ENGINE_HASHES = [(0xA5A5_0000_0000_0000 + i) for i in range(STORED)]  # opaque, 
 
 
 class Publisher:
-    """A vLLM-style KV-event publisher bound on a free loopback port."""
+    """A vLLM-style KV-event publisher bound on a free loopback port. It is
+    an XPUB (a PUB that also reports subscriptions), so that each batch can be
+    sent exactly once after the selector's SUB has joined: a re-sent batch
+    would be a repeated sequence number, which kvselect reads as an engine
+    restart (it clears the rank) and Dynamo ignores."""
 
     def __init__(self, topic: bytes = b""):
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.PUB)
+        self.sock = self.ctx.socket(zmq.XPUB)
+        self.subscribed = False
         self.sock.setsockopt(zmq.LINGER, 0)
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.sock.bind(self.endpoint)
         self.topic = topic
+
+    def wait_subscriber(self, timeout: float) -> None:
+        if not self.subscribed and self.sock.poll(int(timeout * 1000)):
+            self.sock.recv()
+            self.subscribed = True
+        assert self.subscribed, "the selector never subscribed"
 
     def send(self, seq: int, events, dp_rank=0):
         payload = msgpack.packb([time.time(), events, dp_rank], use_bin_type=True)
@@ -50,13 +61,14 @@ def device_blocks(o, worker_id):
 
 
 async def publish_until(svc, pub, seq, events, pred, timeout=10.0):
-    """Re-send batch ``seq`` until the service reflects it. A SUB socket
-    connects lazily and drops what was published before it joined; repeats
-    of an applied seq are stale and ignored by the subscriber."""
+    """Send batch ``seq`` once the selector's SUB has joined (it connects
+    lazily and misses what was published before), then wait until the
+    service reflects it."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    await loop.run_in_executor(None, pub.wait_subscriber, timeout)
+    pub.send(seq, events)
     while True:
-        pub.send(seq, events)
         o = await svc.overlap_scores({"token_ids": PROMPT})
         if pred(o) or loop.time() >= deadline:
             return o
