@@ -18,7 +18,7 @@ pub const DEFAULT_SELECTION_CACHE_MAX_ENTRIES: usize = 4096;
 pub const DEFAULT_SELECTION_CACHE_MAX_BYTES: usize = 268_435_456;
 /// Stale bookings are force-expired after this age.
 pub const DEFAULT_BOOKING_EXPIRY_SECS: f64 = 300.0;
-pub const DEFAULT_INGEST_THREADS: usize = 2;
+pub const DEFAULT_INGEST_THREADS: usize = 4;
 /// Credit of a device (GPU) hit, per block.
 pub const DEFAULT_OVERLAP_SCORE_CREDIT: f64 = 1.0;
 pub const DEFAULT_HOST_CACHE_HIT_WEIGHT: f64 = 0.75;
@@ -82,12 +82,14 @@ pub struct Cli {
     /// Tokio worker threads serving HTTP (default: one per core in --cores,
     /// else one per available core).
     #[arg(long)]
-    pub threads: Option<usize>,
+    pub http_threads: Option<usize>,
     /// Pin the runtime's worker threads to these cores, e.g. `0-15` or `2,3,8-11`.
     #[arg(long)]
     pub cores: Option<String>,
     /// Threads polling the ZeroMQ KV-event subscriptions.
-    #[arg(long, default_value_t = DEFAULT_INGEST_THREADS)]
+    /// `--threads` as in the reference (its KV indexer threads, default 4);
+    /// `--ingest-threads` is kvselect's earlier name for it.
+    #[arg(long = "threads", visible_alias = "ingest-threads", default_value_t = DEFAULT_INGEST_THREADS)]
     pub ingest_threads: usize,
     /// Comma-separated `http://host:port` peers whose GET /dump is loaded into
     /// the index at start-up.
@@ -434,13 +436,13 @@ impl Config {
         let cores = cli.cores.as_deref().map(parse_cores).transpose()?;
         let available = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = cli
-            .threads
+            .http_threads
             .unwrap_or_else(|| cores.as_ref().map_or(available, Vec::len));
         if threads == 0 {
-            return Err("--threads must be at least 1".into());
+            return Err("--http-threads must be at least 1".into());
         }
         if cli.ingest_threads == 0 {
-            return Err("--ingest-threads must be at least 1".into());
+            return Err("--threads must be at least 1".into());
         }
         if cli.body_limit_bytes == 0 {
             return Err("--body-limit-bytes must be at least 1".into());
@@ -569,7 +571,7 @@ impl Config {
         };
         let mut out = vec![
             ("addr", self.addr.to_string()),
-            ("threads", self.threads.to_string()),
+            ("http_threads", self.threads.to_string()),
             ("cores", format!("{:?}", self.cores)),
             ("ingest_threads", self.ingest_threads.to_string()),
             ("indexer_peers", self.indexer_peers.join(",")),
@@ -681,6 +683,22 @@ mod tests {
         assert!(parse_cores("x").is_err());
         let c = Config::from_cli_with_env(cli(&["--cores", "0-1"]), |_| None).unwrap();
         assert_eq!(c.threads, 2);
+    }
+
+    #[test]
+    fn threads_means_what_it_means_in_the_reference() {
+        let c = Config::from_cli_with_env(cli(&[]), |_| None).unwrap();
+        assert_eq!(c.ingest_threads, 4);
+        let c =
+            Config::from_cli_with_env(cli(&["--threads", "3", "--http-threads", "5"]), |_| None)
+                .unwrap();
+        assert_eq!((c.ingest_threads, c.threads), (3, 5));
+        let c = Config::from_cli_with_env(cli(&["--ingest-threads", "6"]), |_| None).unwrap();
+        assert_eq!(c.ingest_threads, 6);
+        let e = Config::from_cli_with_env(cli(&["--threads", "0"]), |_| None).unwrap_err();
+        assert_eq!(e, "--threads must be at least 1");
+        let e = Config::from_cli_with_env(cli(&["--http-threads", "0"]), |_| None).unwrap_err();
+        assert_eq!(e, "--http-threads must be at least 1");
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The tokio runtime, sized by `--threads` and optionally pinned to `--cores`,
+//! The tokio runtime, sized by `--http-threads` and optionally pinned to `--cores`,
 //! and the process's file-descriptor limit.
 //!
 // getrlimit/setrlimit for the fd limit: two libc calls, each with its SAFETY note.

@@ -436,3 +436,87 @@ async fn keyed_tracking_vector() {
         .await;
     assert_eq!(seqs(&r.json()), vec![-5]);
 }
+
+/// Nested structs given as arrays (serde's positional form), over HTTP:
+/// accepted and honoured, with the reference's statuses and texts when the
+/// length is wrong.
+#[tokio::test]
+async fn nested_structs_as_arrays() {
+    let s = start().await;
+    let ep = unused_endpoint();
+    let r = s
+        .post("/workers", &json!({"worker_id": 15, "model_name": "arr", "endpoint": "http://w15", "block_size": 16,
+               "kv_events_endpoints": {"0": ep}, "taints": ["gpu-a"]}))
+        .await;
+    assert_eq!(r.json()["lifecycle"], "schedulable");
+    s.worker(16, "arr", 16, &unused_endpoint()).await;
+    let r = s
+        .post_str(
+            "/select",
+            r#"{"model_name":"arr","token_ids":[1,2],"pinned_worker":[16,0]}"#,
+        )
+        .await;
+    assert_eq!((r.status, r.json()["worker_id"].clone()), (200, json!(16)));
+    let r = s
+        .post_str(
+            "/select",
+            r#"{"model_name":"arr","token_ids":[1,2],"pinned_worker":[15,1]}"#,
+        )
+        .await;
+    assert_eq!(r.status, 503, "{}", r.error());
+    let r = s
+        .post_str(
+            "/select",
+            r#"{"model_name":"arr","token_ids":[1],"routing_constraints":[["gpu-a"]]}"#,
+        )
+        .await;
+    assert_eq!((r.status, r.json()["worker_id"].clone()), (200, json!(15)));
+    let r = s
+        .post_str(
+            "/select",
+            r#"{"model_name":"arr","token_ids":[1],"routing_constraints":[]}"#,
+        )
+        .await;
+    assert_eq!(r.status, 200);
+    let r = s
+        .post_str(
+            "/select_and_reserve",
+            r#"{"model_name":"arr","token_ids":[1,2],"router_config_override":[null,null,null,null,null,false,null]}"#,
+        )
+        .await;
+    assert_eq!(
+        (r.status, r.json()["track_prefill_tokens"].clone()),
+        (200, json!(false))
+    );
+    let r = s
+        .post_str(
+            "/select",
+            r#"{"model_name":"arr","token_ids":[1],"pinned_worker":[3]}"#,
+        )
+        .await;
+    assert_eq!(r.status, 422);
+    assert_eq!(
+        r.error(),
+        "Failed to deserialize the JSON body into the target type: pinned_worker: invalid length 1, \
+         expected struct WorkerWithDpRank with 2 elements at line 1 column 55 (byte 55)"
+    );
+    let r = s
+        .post_str(
+            "/select",
+            r#"{"model_name":"arr","token_ids":[1],"pinned_worker":[3,0,1]}"#,
+        )
+        .await;
+    assert_eq!(r.status, 400);
+    assert!(
+        r.error().contains("pinned_worker: trailing characters"),
+        "{}",
+        r.error()
+    );
+    let r = s.post_str("/overlap_scores", "[1]").await;
+    assert_eq!(r.status, 422);
+    assert!(
+        r.error().contains("expected struct OverlapScoresRequest"),
+        "{}",
+        r.error()
+    );
+}

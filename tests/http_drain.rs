@@ -101,7 +101,7 @@ fn select_request(tokens: usize) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_under_load_cuts_no_accepted_request() {
-    let mut server = Binary::start(&["--threads", "2", "--shutdown-timeout-secs", "10"]);
+    let mut server = Binary::start(&["--http-threads", "2", "--shutdown-timeout-secs", "10"]);
     let addr = server.addr;
     let kv = common::unused_endpoint();
     let r = request(

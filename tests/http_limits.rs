@@ -43,7 +43,7 @@ async fn stalled_8mib_uploads_cost_little_memory_and_are_dropped_by_the_body_tim
     let server = Binary::start(&[
         "--body-read-timeout-secs",
         "8",
-        "--threads",
+        "--http-threads",
         "2",
         "--max-connections",
         "2000",
@@ -280,7 +280,7 @@ impl hyper::body::Body for Stalled {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_http2_streams_cost_little_memory() {
     const STREAMS: usize = 100;
-    let server = Binary::start(&["--body-read-timeout-secs", "3", "--threads", "2"]);
+    let server = Binary::start(&["--body-read-timeout-secs", "3", "--http-threads", "2"]);
     for _ in 0..10 {
         health_latency(server.addr);
     }

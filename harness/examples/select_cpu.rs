@@ -158,7 +158,7 @@ fn main() {
         .unwrap()
         .port();
     let mut child = Command::new(&a.bin)
-        .args(["--port", &port.to_string(), "--threads", "1"])
+        .args(["--port", &port.to_string(), "--http-threads", "1"])
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .spawn()

@@ -472,7 +472,7 @@ impl Server {
             ["overlap_scores"] if post => {
                 let body = self.body(req).await?;
                 ok(&app.overlap_scores(
-                    &self.parse("prompt_query", || app.parser.prompt_query(&body))?,
+                    &self.parse("prompt_query", || app.parser.overlap_scores_query(&body))?,
                 )?)
             }
             ["overlap_scores"] => not_allowed("POST"),

@@ -67,12 +67,23 @@ pub fn fuzz_body(kind: BodyKind, body: &[u8]) {
 
 // ---- the serde_json oracle for /select ---------------------------------
 
+// The nested structs declare their fields in the reference's order, with
+// its serde defaults: serde also reads a struct from a sequence, positionally,
+// where a field without a default is required even when it is an `Option`.
+
 #[derive(Deserialize, Debug)]
+#[serde(rename = "SelectionSessionContext")]
 struct RefSessionContext {
     session_id: String,
+    #[serde(default)]
     parent_session_id: Option<String>,
+    #[serde(default)]
     session_final: Option<bool>,
+    #[serde(default)]
     input_trigger: Option<RefTrigger>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    agent_headers: Option<HashMap<String, Vec<String>>>,
 }
 
 #[derive(Deserialize, Debug, PartialEq)]
@@ -84,6 +95,7 @@ enum RefTrigger {
 }
 
 #[derive(Deserialize, Debug)]
+#[serde(rename = "RouterConfigOverrideSerde")]
 struct RefOverride {
     overlap_score_credit: Option<f64>,
     prefill_load_scale: Option<f64>,
@@ -95,12 +107,14 @@ struct RefOverride {
 }
 
 #[derive(Deserialize, Debug)]
+#[serde(rename = "WorkerWithDpRank")]
 struct RefPinned {
     worker_id: u64,
     dp_rank: u32,
 }
 
 #[derive(Deserialize, Debug)]
+#[serde(rename = "WorkerAffinityTarget")]
 struct RefAffinity {
     worker_id: u64,
     dp_rank: Option<u32>,
@@ -115,6 +129,7 @@ struct RefConstraints {
 }
 
 #[derive(Deserialize, Debug)]
+#[serde(rename = "BlockMmObjectInfo")]
 struct RefMmObject {
     mm_hash: u64,
     #[allow(dead_code)]
@@ -122,14 +137,17 @@ struct RefMmObject {
 }
 
 #[derive(Deserialize, Debug)]
+#[serde(rename = "BlockExtraInfo")]
 struct RefBlockInfo {
     mm_objects: Vec<RefMmObject>,
 }
 
 #[derive(Deserialize, Debug)]
+#[serde(rename = "MmRoutingInfoRequest")]
 struct RefMm {
-    routing_token_ids: Option<Vec<u32>>,
-    block_mm_infos: Option<Vec<Option<RefBlockInfo>>>,
+    routing_token_ids: Vec<u32>,
+    #[serde(default)]
+    block_mm_infos: Vec<Option<RefBlockInfo>>,
 }
 
 /// A string that defaults when absent but may not be `null` (the
@@ -141,6 +159,7 @@ fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::
 /// The /select body as one flat serde struct: the oracle, and the "serde_json
 /// typed" peer in the parse bench.
 #[derive(Deserialize, Debug)]
+#[allow(dead_code)] // the bench peers read it through Debug and token_count
 pub struct RefSelect {
     #[serde(default, deserialize_with = "present")]
     model_name: Option<String>,
@@ -224,31 +243,31 @@ impl RefSelectFlatten {
     }
 }
 
+/// The reference's checks on the effective values: the deprecated weight
+/// replaces `prefill_load_scale`, and a weight of 0 zeroes the credit.
 fn override_ok(o: &RefOverride) -> bool {
     let ok = |v: Option<f64>| v.is_none_or(|v| v.is_finite() && v >= 0.0);
-    ok(o.overlap_score_credit)
-        && ok(o.prefill_load_scale)
-        && ok(o.overlap_score_weight)
+    let credit = if o.overlap_score_weight == Some(0.0) {
+        Some(0.0)
+    } else {
+        o.overlap_score_credit
+    };
+    ok(credit)
+        && ok(o.overlap_score_weight.or(o.prefill_load_scale))
         && ok(o.router_temperature)
         && o.shared_cache_multiplier
             .is_none_or(|v| (0.0..=1.0).contains(&v))
 }
 
-/// The oracle's verdict on a /select body.
-fn reference(body: &[u8]) -> Result<RefSelect, ErrorClass> {
+/// The oracle's verdict on a /select body, read as the reference reads it:
+/// the prompt group `#[serde(flatten)]`ed (so the top level is a map only,
+/// and the prompt fields are read from serde's buffered content, where a
+/// struct given as a too-long sequence is a shape error, not a syntax one).
+fn reference(body: &[u8]) -> Result<RefSelectFlatten, ErrorClass> {
     if serde_json::from_slice::<serde_json::Value>(body).is_err() {
         return Err(ErrorClass::Syntax);
     }
-    // serde would read a struct from an array positionally; the API (and we)
-    // only take objects.
-    if body
-        .iter()
-        .find(|b| !b" \t\r\n".contains(b))
-        .is_some_and(|&b| b != b'{')
-    {
-        return Err(ErrorClass::Shape);
-    }
-    match serde_json::from_slice::<RefSelect>(body) {
+    match serde_json::from_slice::<RefSelectFlatten>(body) {
         Ok(r) => match &r.router_config_override {
             Some(o) if !override_ok(o) => Err(ErrorClass::Shape),
             _ => Ok(r),
@@ -272,15 +291,13 @@ fn s<'a>(v: &'a Option<Str<'_>>) -> Option<&'a str> {
     v.as_deref()
 }
 
-fn mm_infos(v: &Option<Vec<Option<RefBlockInfo>>>) -> Option<Vec<Option<Vec<u64>>>> {
-    v.as_ref().map(|v| {
-        v.iter()
-            .map(|b| {
-                b.as_ref()
-                    .map(|b| b.mm_objects.iter().map(|o| o.mm_hash).collect())
-            })
-            .collect()
-    })
+fn mm_infos(v: &[Option<RefBlockInfo>]) -> Vec<Option<Vec<u64>>> {
+    v.iter()
+        .map(|b| {
+            b.as_ref()
+                .map(|b| b.mm_objects.iter().map(|o| o.mm_hash).collect())
+        })
+        .collect()
 }
 
 fn hashes(v: &Option<Vec<i64>>) -> Option<Vec<u64>> {
@@ -302,6 +319,7 @@ pub fn differential_select(body: &[u8]) {
         (o, w) => panic!("verdicts differ: ours {o:?}, oracle {w:?}"),
     };
     let p = &ours.prompt;
+    let wp = &want.prompt;
     assert_eq!(s(&ours.model_name), want.model_name.as_deref());
     assert_eq!(s(&ours.routing_group), want.routing_group.as_deref());
     assert_eq!(s(&ours.selection_id), want.selection_id.as_deref());
@@ -365,30 +383,30 @@ pub fn differential_select(body: &[u8]) {
     assert_eq!(ours.advisory, want.advisory);
     assert_eq!(
         p.token_ids.as_deref().map(|v| &v[..]),
-        want.token_ids.as_deref()
+        wp.token_ids.as_deref()
     );
-    match (&p.mm_routing_info, &want.mm_routing_info) {
+    match (&p.mm_routing_info, &wp.mm_routing_info) {
         (None, None) => {}
         (Some(a), Some(b)) => {
             assert_eq!(
                 a.routing_token_ids.as_deref().map(|v| &v[..]),
-                b.routing_token_ids.as_deref()
+                Some(&b.routing_token_ids[..])
             );
-            assert_eq!(a.block_mm_infos, mm_infos(&b.block_mm_infos));
+            assert_eq!(
+                a.block_mm_infos.clone().unwrap_or_default(),
+                mm_infos(&b.block_mm_infos)
+            );
         }
         (a, b) => panic!("mm_routing_info differs: {a:?} vs {b:?}"),
     }
-    assert_eq!(p.block_mm_infos, mm_infos(&want.block_mm_infos));
-    assert_eq!(
-        p.block_hashes.as_deref().cloned(),
-        hashes(&want.block_hashes)
-    );
+    assert_eq!(p.block_mm_infos, wp.block_mm_infos.as_deref().map(mm_infos));
+    assert_eq!(p.block_hashes.as_deref().cloned(), hashes(&wp.block_hashes));
     assert_eq!(
         p.sequence_hashes.as_deref().cloned(),
-        hashes(&want.sequence_hashes)
+        hashes(&wp.sequence_hashes)
     );
-    assert_eq!(p.isl_tokens, want.isl_tokens.map(|v| v as u64));
-    assert_eq!(s(&p.lora_name), want.lora_name.as_deref());
-    assert_eq!(s(&p.cache_salt), want.cache_salt.as_deref());
-    assert_eq!(p.is_eagle, want.is_eagle);
+    assert_eq!(p.isl_tokens, wp.isl_tokens.map(|v| v as u64));
+    assert_eq!(s(&p.lora_name), wp.lora_name.as_deref());
+    assert_eq!(s(&p.cache_salt), wp.cache_salt.as_deref());
+    assert_eq!(p.is_eagle, wp.is_eagle);
 }

@@ -56,14 +56,22 @@ pub struct RouterConfigOverride {
 }
 
 impl RouterConfigOverride {
-    /// The value rules of §7.5; the message names the first field that
-    /// breaks one. Every reader of an override (the JSON visitor, the Python
-    /// binding) applies them as a shape error.
+    /// The value rules of §7.5, on the effective values as the reference
+    /// applies them: `overlap_score_weight` replaces `prefill_load_scale`,
+    /// and a weight of 0 also sets the credit to 0 (so `prefill_load_scale:
+    /// -1` next to a valid weight passes). The message names the first field
+    /// that breaks one. Every reader of an override (the JSON visitor, the
+    /// Python binding) applies them as a shape error.
     pub fn check(&self) -> Result<(), &'static str> {
         let bad = |v: Option<f64>| v.is_some_and(|v| !v.is_finite() || v < 0.0);
-        if bad(self.overlap_score_credit) {
+        let credit = if self.overlap_score_weight == Some(0.0) {
+            Some(0.0)
+        } else {
+            self.overlap_score_credit
+        };
+        if bad(credit) {
             Err("overlap_score_credit must be a finite, non-negative number")
-        } else if bad(self.prefill_load_scale) || bad(self.overlap_score_weight) {
+        } else if bad(self.overlap_score_weight.or(self.prefill_load_scale)) {
             Err("prefill_load_scale must be finite and non-negative")
         } else if bad(self.router_temperature) {
             Err("router_temperature must be finite and non-negative")
@@ -78,7 +86,8 @@ impl RouterConfigOverride {
     }
 }
 
-/// `{worker_id, dp_rank}` with both fields required (`pinned_worker`).
+/// `{worker_id, dp_rank}` with both fields required (`pinned_worker`, the
+/// reference's `WorkerWithDpRank`; also `[worker_id, dp_rank]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PinnedWorker {
     pub worker_id: u64,

@@ -33,17 +33,19 @@ pub struct CostContext {
 pub fn effective_config(base: &RouterConfig, o: Option<&RouterConfigOverride>) -> RouterConfig {
     let mut c = *base;
     let Some(o) = o else { return c };
-    if let Some(w) = o.overlap_score_weight {
-        c.prefill_load_scale = w;
-        if w == 0.0 {
-            c.overlap_score_credit = 0.0;
-        }
-    }
     if let Some(v) = o.overlap_score_credit {
         c.overlap_score_credit = v;
     }
     if let Some(v) = o.prefill_load_scale {
         c.prefill_load_scale = v;
+    }
+    // The deprecated alias wins over both, as the reference's validation
+    // shows (`prefill_load_scale: -1` beside a valid weight is accepted).
+    if let Some(w) = o.overlap_score_weight {
+        c.prefill_load_scale = w;
+        if w == 0.0 {
+            c.overlap_score_credit = 0.0;
+        }
     }
     if let Some(v) = o.router_temperature {
         c.router_temperature = v;

@@ -68,35 +68,55 @@ impl Parser {
         Ok(Some(buf))
     }
 
+    /// `mm_routing_info` (`MmRoutingInfoRequest`): `routing_token_ids` is
+    /// required and not nullable, `block_mm_infos` defaults to empty but is
+    /// not nullable either. A prompt field: read as serde's buffered content.
     pub(super) fn mm_routing_info(&self, cur: &mut Cur<'_>) -> PResult<Option<MmRoutingInfo>> {
         if cur.null()? {
             return Ok(None);
         }
-        cur.object_start("struct MmRoutingInfo")?;
         let mut m = MmRoutingInfo::default();
-        let mut set = 0u64;
-        object(cur, |cur, k| match &*k.bytes {
-            b"routing_token_ids" => {
-                seen(cur, &mut set, 0, &k, "routing_token_ids")?;
-                let r: PResult<()> = (|| {
-                    if cur.null()? {
-                        m.routing_token_ids = None;
-                        return Ok(());
+        let tokens = |cur: &mut Cur<'_>| -> PResult<Pooled<u32>> {
+            let mut buf = self.tokens.take();
+            u32_array(cur, &mut buf, self.limits.max_tokens, self.vector())?;
+            Ok(buf)
+        };
+        let infos = |cur: &mut Cur<'_>| -> PResult<Vec<Option<Vec<u64>>>> {
+            match cur.ws() {
+                Some(b'n') => Err(cur.wrong_type("a sequence")),
+                _ => Ok(block_mm_infos(cur)?.unwrap_or_default()),
+            }
+        };
+        match struct_start(cur, "struct MmRoutingInfoRequest")? {
+            Form::Map => {
+                let mut set = 0u64;
+                object(cur, |cur, k| match &*k.bytes {
+                    b"routing_token_ids" => {
+                        seen(cur, &mut set, 0, &k, "routing_token_ids")?;
+                        m.routing_token_ids = Some(tokens(cur).key("routing_token_ids")?);
+                        Ok(())
                     }
-                    let mut buf = self.tokens.take();
-                    u32_array(cur, &mut buf, self.limits.max_tokens, self.vector())?;
-                    m.routing_token_ids = Some(buf);
-                    Ok(())
-                })();
-                r.key("routing_token_ids")
+                    b"block_mm_infos" => {
+                        seen(cur, &mut set, 1, &k, "block_mm_infos")?;
+                        m.block_mm_infos = Some(infos(cur).key("block_mm_infos")?);
+                        Ok(())
+                    }
+                    _ => skip(cur, &k),
+                })?;
+                if m.routing_token_ids.is_none() {
+                    return Err(missing(cur, "routing_token_ids"));
+                }
             }
-            b"block_mm_infos" => {
-                seen(cur, &mut set, 1, &k, "block_mm_infos")?;
-                m.block_mm_infos = block_mm_infos(cur).key("block_mm_infos")?;
-                Ok(())
+            Form::Seq => {
+                let mut seq = SeqStruct::new("MmRoutingInfoRequest", 2, true);
+                seq.field(cur, false)?;
+                m.routing_token_ids = Some(tokens(cur).index(0)?);
+                if seq.field(cur, true)? {
+                    m.block_mm_infos = Some(infos(cur).index(1)?);
+                }
+                seq.finish(cur)?;
             }
-            _ => skip(cur, &k),
-        })?;
+        }
         Ok(Some(m))
     }
 
@@ -107,44 +127,73 @@ impl Parser {
         if cur.null()? {
             return Ok(None);
         }
-        cur.object_start("struct RouterConfigOverride")?;
         let mut o = RouterConfigOverride::default();
-        let mut set = 0u64;
-        object(cur, |cur, k| {
-            macro_rules! f64_field {
-                ($bit:expr, $name:literal, $slot:expr) => {{
-                    seen(cur, &mut set, $bit, &k, $name)?;
-                    $slot = opt_f64(cur, "f64").key($name)?;
-                }};
+        match struct_start(cur, "struct RouterConfigOverrideSerde")? {
+            Form::Map => {
+                let mut set = 0u64;
+                object(cur, |cur, k| {
+                    macro_rules! f64_field {
+                        ($bit:expr, $name:literal, $slot:expr) => {{
+                            seen(cur, &mut set, $bit, &k, $name)?;
+                            $slot = opt_f64(cur, "f64").key($name)?;
+                        }};
+                    }
+                    match &*k.bytes {
+                        b"overlap_score_credit" => {
+                            f64_field!(0, "overlap_score_credit", o.overlap_score_credit)
+                        }
+                        b"prefill_load_scale" => {
+                            f64_field!(1, "prefill_load_scale", o.prefill_load_scale)
+                        }
+                        b"overlap_score_weight" => {
+                            f64_field!(2, "overlap_score_weight", o.overlap_score_weight)
+                        }
+                        b"router_temperature" => {
+                            f64_field!(3, "router_temperature", o.router_temperature)
+                        }
+                        b"shared_cache_multiplier" => {
+                            f64_field!(4, "shared_cache_multiplier", o.shared_cache_multiplier)
+                        }
+                        b"assume_kv_reuse" => {
+                            seen(cur, &mut set, 5, &k, "assume_kv_reuse")?;
+                            o.assume_kv_reuse = opt_bool(cur).key("assume_kv_reuse")?;
+                        }
+                        b"track_prefill_tokens" => {
+                            seen(cur, &mut set, 6, &k, "track_prefill_tokens")?;
+                            o.track_prefill_tokens = opt_bool(cur).key("track_prefill_tokens")?;
+                        }
+                        _ => skip(cur, &k)?,
+                    }
+                    Ok(())
+                })?;
             }
-            match &*k.bytes {
-                b"overlap_score_credit" => {
-                    f64_field!(0, "overlap_score_credit", o.overlap_score_credit)
+            Form::Seq => {
+                // Declaration order; no field has a serde default.
+                let mut seq = SeqStruct::new("RouterConfigOverrideSerde", 7, false);
+                for (i, slot) in [
+                    &mut o.overlap_score_credit,
+                    &mut o.prefill_load_scale,
+                    &mut o.overlap_score_weight,
+                    &mut o.router_temperature,
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    seq.field(cur, false)?;
+                    *slot = opt_f64(cur, "f64").index(i)?;
                 }
-                b"prefill_load_scale" => f64_field!(1, "prefill_load_scale", o.prefill_load_scale),
-                b"overlap_score_weight" => {
-                    f64_field!(2, "overlap_score_weight", o.overlap_score_weight)
-                }
-                b"router_temperature" => f64_field!(3, "router_temperature", o.router_temperature),
-                b"shared_cache_multiplier" => {
-                    f64_field!(4, "shared_cache_multiplier", o.shared_cache_multiplier)
-                }
-                b"assume_kv_reuse" => {
-                    seen(cur, &mut set, 5, &k, "assume_kv_reuse")?;
-                    o.assume_kv_reuse = opt_bool(cur).key("assume_kv_reuse")?;
-                }
-                b"track_prefill_tokens" => {
-                    seen(cur, &mut set, 6, &k, "track_prefill_tokens")?;
-                    o.track_prefill_tokens = opt_bool(cur).key("track_prefill_tokens")?;
-                }
-                _ => skip(cur, &k)?,
+                seq.field(cur, false)?;
+                o.assume_kv_reuse = opt_bool(cur).index(4)?;
+                seq.field(cur, false)?;
+                o.track_prefill_tokens = opt_bool(cur).index(5)?;
+                seq.field(cur, false)?;
+                o.shared_cache_multiplier = opt_f64(cur, "f64").index(6)?;
+                seq.finish(cur)?;
             }
-            Ok(())
-        })?;
-        let msg = o.check().err();
-        match msg {
-            Some(m) => Err(cur.shape(cur.i, m.to_string())),
-            None => Ok(Some(o)),
+        }
+        match o.check() {
+            Err(m) => Err(cur.shape(after_value_offset(cur), m.to_string())),
+            Ok(()) => Ok(Some(o)),
         }
     }
 }
@@ -168,6 +217,8 @@ pub(super) fn block_mm_infos(cur: &mut Cur<'_>) -> PResult<Option<Vec<Option<Vec
     }
 }
 
+/// One `BlockExtraInfo` (`{"mm_objects": [...]}` or `[[...]]`), or `null`.
+/// A prompt field: read as serde's buffered content.
 pub(super) fn block_mm_info(cur: &mut Cur<'_>) -> PResult<Option<Vec<u64>>> {
     if cur.peek() == Some(b']') {
         return Err(cur.syntax_here("trailing comma"));
@@ -175,61 +226,84 @@ pub(super) fn block_mm_info(cur: &mut Cur<'_>) -> PResult<Option<Vec<u64>>> {
     if cur.null()? {
         return Ok(None);
     }
-    cur.object_start("struct BlockExtraInfo")?;
-    let mut objs: Option<Vec<u64>> = None;
-    let mut set = 0u64;
-    object(cur, |cur, k| match &*k.bytes {
-        b"mm_objects" => {
-            seen(cur, &mut set, 0, &k, "mm_objects")?;
-            let mut hashes = Vec::new();
-            let r: PResult<()> = (|| {
-                if cur.array_start()? {
-                    return Ok(());
-                }
-                loop {
-                    let n = hashes.len();
-                    hashes.push(mm_object(cur).index(n)?);
-                    if !cur.array_next()? {
-                        return Ok(());
-                    }
-                }
-            })();
-            r.key("mm_objects")?;
-            objs = Some(hashes);
-            Ok(())
+    let list = |cur: &mut Cur<'_>| -> PResult<Vec<u64>> {
+        let mut hashes = Vec::new();
+        if cur.array_start()? {
+            return Ok(hashes);
         }
-        _ => skip(cur, &k),
-    })?;
-    objs.ok_or_else(|| missing(cur, "mm_objects")).map(Some)
+        loop {
+            let n = hashes.len();
+            hashes.push(mm_object(cur).index(n)?);
+            if !cur.array_next()? {
+                return Ok(hashes);
+            }
+        }
+    };
+    match struct_start(cur, "struct BlockExtraInfo")? {
+        Form::Map => {
+            let mut objs: Option<Vec<u64>> = None;
+            let mut set = 0u64;
+            object(cur, |cur, k| match &*k.bytes {
+                b"mm_objects" => {
+                    seen(cur, &mut set, 0, &k, "mm_objects")?;
+                    objs = Some(list(cur).key("mm_objects")?);
+                    Ok(())
+                }
+                _ => skip(cur, &k),
+            })?;
+            objs.ok_or_else(|| missing(cur, "mm_objects")).map(Some)
+        }
+        Form::Seq => {
+            let mut seq = SeqStruct::new("BlockExtraInfo", 1, true);
+            seq.field(cur, false)?;
+            let objs = list(cur).index(0)?;
+            seq.finish(cur)?;
+            Ok(Some(objs))
+        }
+    }
 }
 
+/// One `BlockMmObjectInfo` (`{"mm_hash", "offsets"}` or `[mm_hash, offsets]`):
+/// its hash.
 pub(super) fn mm_object(cur: &mut Cur<'_>) -> PResult<u64> {
     if cur.peek() == Some(b']') {
         return Err(cur.syntax_here("trailing comma"));
     }
-    cur.object_start("struct BlockMmObjectInfo")?;
-    let mut hash = None;
-    let mut offsets = false;
-    let mut set = 0u64;
-    object(cur, |cur, k| match &*k.bytes {
-        b"mm_hash" => {
-            seen(cur, &mut set, 0, &k, "mm_hash")?;
-            hash = Some(cur.u64_val("u64").key("mm_hash")?);
-            Ok(())
+    match struct_start(cur, "struct BlockMmObjectInfo")? {
+        Form::Map => {
+            let mut hash = None;
+            let mut offsets = false;
+            let mut set = 0u64;
+            object(cur, |cur, k| match &*k.bytes {
+                b"mm_hash" => {
+                    seen(cur, &mut set, 0, &k, "mm_hash")?;
+                    hash = Some(cur.u64_val("u64").key("mm_hash")?);
+                    Ok(())
+                }
+                b"offsets" => {
+                    seen(cur, &mut set, 1, &k, "offsets")?;
+                    offset_pairs(cur).key("offsets")?;
+                    offsets = true;
+                    Ok(())
+                }
+                _ => skip(cur, &k),
+            })?;
+            let hash = hash.ok_or_else(|| missing(cur, "mm_hash"))?;
+            if !offsets {
+                return Err(missing(cur, "offsets"));
+            }
+            Ok(hash)
         }
-        b"offsets" => {
-            seen(cur, &mut set, 1, &k, "offsets")?;
-            offset_pairs(cur).key("offsets")?;
-            offsets = true;
-            Ok(())
+        Form::Seq => {
+            let mut seq = SeqStruct::new("BlockMmObjectInfo", 2, true);
+            seq.field(cur, false)?;
+            let hash = cur.u64_val("u64").index(0)?;
+            seq.field(cur, false)?;
+            offset_pairs(cur).index(1)?;
+            seq.finish(cur)?;
+            Ok(hash)
         }
-        _ => skip(cur, &k),
-    })?;
-    let hash = hash.ok_or_else(|| missing(cur, "mm_hash"))?;
-    if !offsets {
-        return Err(missing(cur, "offsets"));
     }
-    Ok(hash)
 }
 
 /// `[[start, end], ...]` of usize, validated and dropped (not hashed).
@@ -281,59 +355,98 @@ pub(super) fn offset_pairs(cur: &mut Cur<'_>) -> PResult<()> {
     }
 }
 
+/// `session_context` (`SelectionSessionContext`): `session_id` required;
+/// `agent_headers` (a map of string lists) is validated and dropped. In the
+/// sequence form only `session_id` is required (the others have serde
+/// defaults); the order is session_id, parent_session_id, session_final,
+/// input_trigger, agent_headers.
 pub(super) fn session_context<'a>(cur: &mut Cur<'a>) -> PResult<Option<SessionContext<'a>>> {
     if cur.null()? {
         return Ok(None);
     }
-    cur.object_start("struct SessionContext")?;
-    let mut id = None;
-    let mut parent = None;
-    let mut fin = None;
-    let mut trig = None;
-    let mut set = 0u64;
-    object(cur, |cur, k| {
-        match &*k.bytes {
-            b"session_id" => {
-                seen(cur, &mut set, 0, &k, "session_id")?;
-                id = Some(cur.str_val().key("session_id")?);
-            }
-            b"parent_session_id" => {
-                seen(cur, &mut set, 1, &k, "parent_session_id")?;
-                parent = opt_str(cur).key("parent_session_id")?;
-            }
-            b"session_final" => {
-                seen(cur, &mut set, 2, &k, "session_final")?;
-                fin = opt_bool(cur).key("session_final")?;
-            }
-            b"input_trigger" => {
-                seen(cur, &mut set, 3, &k, "input_trigger")?;
-                let r: PResult<Option<InputTrigger>> = (|| {
-                    if cur.null()? {
-                        return Ok(None);
-                    }
-                    let v = enum_val(cur, &["user_message", "tool_result", "other"])?;
-                    Ok(Some(match v {
-                        0 => InputTrigger::UserMessage,
-                        1 => InputTrigger::ToolResult,
-                        _ => InputTrigger::Other,
-                    }))
-                })();
-                trig = r.key("input_trigger")?;
-            }
-            _ => skip(cur, &k)?,
+    fn trigger(cur: &mut Cur<'_>) -> PResult<Option<InputTrigger>> {
+        if cur.null()? {
+            return Ok(None);
         }
-        Ok(())
-    })?;
-    let session_id = id.ok_or_else(|| missing(cur, "session_id"))?;
-    Ok(Some(SessionContext {
-        session_id,
-        parent_session_id: parent,
-        session_final: fin,
-        input_trigger: trig,
-    }))
+        let v = enum_val(cur, &["user_message", "tool_result", "other"])?;
+        Ok(Some(match v {
+            0 => InputTrigger::UserMessage,
+            1 => InputTrigger::ToolResult,
+            _ => InputTrigger::Other,
+        }))
+    }
+    fn headers(cur: &mut Cur<'_>) -> PResult<()> {
+        if cur.null()? {
+            return Ok(());
+        }
+        cur.object_start("a map")?;
+        object(cur, |cur, k| {
+            str_array(cur).map(|_| ()).key_with(|| k.text())
+        })
+    }
+    let mut ctx = SessionContext {
+        session_id: Cow::Borrowed(""),
+        parent_session_id: None,
+        session_final: None,
+        input_trigger: None,
+    };
+    match struct_start(cur, "struct SelectionSessionContext")? {
+        Form::Map => {
+            let mut id = None;
+            let mut set = 0u64;
+            object(cur, |cur, k| {
+                match &*k.bytes {
+                    b"session_id" => {
+                        seen(cur, &mut set, 0, &k, "session_id")?;
+                        id = Some(cur.str_val().key("session_id")?);
+                    }
+                    b"parent_session_id" => {
+                        seen(cur, &mut set, 1, &k, "parent_session_id")?;
+                        ctx.parent_session_id = opt_str(cur).key("parent_session_id")?;
+                    }
+                    b"session_final" => {
+                        seen(cur, &mut set, 2, &k, "session_final")?;
+                        ctx.session_final = opt_bool(cur).key("session_final")?;
+                    }
+                    b"input_trigger" => {
+                        seen(cur, &mut set, 3, &k, "input_trigger")?;
+                        ctx.input_trigger = trigger(cur).key("input_trigger")?;
+                    }
+                    b"agent_headers" => {
+                        seen(cur, &mut set, 4, &k, "agent_headers")?;
+                        headers(cur).key("agent_headers")?;
+                    }
+                    _ => skip(cur, &k)?,
+                }
+                Ok(())
+            })?;
+            ctx.session_id = id.ok_or_else(|| missing(cur, "session_id"))?;
+        }
+        Form::Seq => {
+            let mut seq = SeqStruct::new("SelectionSessionContext", 5, false);
+            seq.field(cur, false)?;
+            ctx.session_id = cur.str_val().index(0)?;
+            if seq.field(cur, true)? {
+                ctx.parent_session_id = opt_str(cur).index(1)?;
+            }
+            if seq.field(cur, true)? {
+                ctx.session_final = opt_bool(cur).index(2)?;
+            }
+            if seq.field(cur, true)? {
+                ctx.input_trigger = trigger(cur).index(3)?;
+            }
+            if seq.field(cur, true)? {
+                headers(cur).index(4)?;
+            }
+            seq.finish(cur)?;
+        }
+    }
+    Ok(Some(ctx))
 }
 
-/// `pinned_worker` (`dp_rank` required) and `affinity_target` (optional).
+/// `pinned_worker` (`WorkerWithDpRank`, `dp_rank` required) and
+/// `affinity_target` (`WorkerAffinityTarget`, `dp_rank` optional). In the
+/// sequence form both take exactly `[worker_id, dp_rank]`.
 pub(super) fn worker_rank(
     cur: &mut Cur<'_>,
     name: &str,
@@ -342,74 +455,103 @@ pub(super) fn worker_rank(
     if cur.null()? {
         return Ok(None);
     }
-    cur.object_start(name)?;
-    let mut wid = None;
-    let mut rank = None;
-    let mut set = 0u64;
-    object(cur, |cur, k| {
-        match &*k.bytes {
-            b"worker_id" => {
-                seen(cur, &mut set, 0, &k, "worker_id")?;
-                wid = Some(cur.u64_val("u64").key("worker_id")?);
-            }
-            b"dp_rank" => {
-                seen(cur, &mut set, 1, &k, "dp_rank")?;
-                rank = if rank_required {
-                    Some(cur.u32_val().key("dp_rank")?)
-                } else {
-                    opt_u32(cur).key("dp_rank")?
-                };
-            }
-            _ => skip(cur, &k)?,
+    let rank_val = |cur: &mut Cur<'_>| {
+        if rank_required {
+            cur.u32_val().map(Some)
+        } else {
+            opt_u32(cur)
         }
-        Ok(())
-    })?;
-    let wid = wid.ok_or_else(|| missing(cur, "worker_id"))?;
-    if rank_required && rank.is_none() {
-        return Err(missing(cur, "dp_rank"));
+    };
+    match struct_start(cur, &format!("struct {name}"))? {
+        Form::Map => {
+            let mut wid = None;
+            let mut rank = None;
+            let mut set = 0u64;
+            object(cur, |cur, k| {
+                match &*k.bytes {
+                    b"worker_id" => {
+                        seen(cur, &mut set, 0, &k, "worker_id")?;
+                        wid = Some(cur.u64_val("u64").key("worker_id")?);
+                    }
+                    b"dp_rank" => {
+                        seen(cur, &mut set, 1, &k, "dp_rank")?;
+                        rank = rank_val(cur).key("dp_rank")?;
+                    }
+                    _ => skip(cur, &k)?,
+                }
+                Ok(())
+            })?;
+            let wid = wid.ok_or_else(|| missing(cur, "worker_id"))?;
+            if rank_required && rank.is_none() {
+                return Err(missing(cur, "dp_rank"));
+            }
+            Ok(Some((wid, rank)))
+        }
+        Form::Seq => {
+            let mut seq = SeqStruct::new(name, 2, false);
+            seq.field(cur, false)?;
+            let wid = cur.u64_val("u64").index(0)?;
+            seq.field(cur, false)?;
+            let rank = rank_val(cur).index(1)?;
+            seq.finish(cur)?;
+            Ok(Some((wid, rank)))
+        }
     }
-    Ok(Some((wid, rank)))
 }
 
+/// `routing_constraints`: both fields default, so `[]` is all defaults.
 pub(super) fn routing_constraints<'a>(
     cur: &mut Cur<'a>,
 ) -> PResult<Option<RoutingConstraints<'a>>> {
     if cur.null()? {
         return Ok(None);
     }
-    cur.object_start("struct RoutingConstraints")?;
     let mut rc = RoutingConstraints::default();
-    let mut set = 0u64;
-    object(cur, |cur, k| {
-        match &*k.bytes {
-            b"required_taints" => {
-                seen(cur, &mut set, 0, &k, "required_taints")?;
-                rc.required_taints = str_array(cur).key("required_taints")?;
+    fn preferred<'a>(cur: &mut Cur<'a>, out: &mut Vec<(Str<'a>, f32)>) -> PResult<()> {
+        cur.object_start("a map")?;
+        object(cur, |cur, k| {
+            let name: Str<'a> = match &k.bytes {
+                Cow::Borrowed(b) => Cow::Borrowed(std::str::from_utf8(b).unwrap_or("")),
+                Cow::Owned(b) => Cow::Owned(String::from_utf8_lossy(b).into_owned()),
+            };
+            let w = cur.f64_val("f32").key_with(|| k.text())? as f32;
+            // A map: a repeated key replaces the earlier weight.
+            match out.iter_mut().find(|(n, _)| *n == name) {
+                Some(slot) => slot.1 = w,
+                None => out.push((name, w)),
             }
-            b"preferred_taints" => {
-                seen(cur, &mut set, 1, &k, "preferred_taints")?;
-                let r: PResult<()> = (|| {
-                    cur.object_start("a map")?;
-                    object(cur, |cur, k| {
-                        let name: Str<'a> = match &k.bytes {
-                            Cow::Borrowed(b) => Cow::Borrowed(std::str::from_utf8(b).unwrap_or("")),
-                            Cow::Owned(b) => Cow::Owned(String::from_utf8_lossy(b).into_owned()),
-                        };
-                        let w = cur.f64_val("f32").key_with(|| k.text())? as f32;
-                        // A map: a repeated key replaces the earlier weight.
-                        match rc.preferred_taints.iter_mut().find(|(n, _)| *n == name) {
-                            Some(slot) => slot.1 = w,
-                            None => rc.preferred_taints.push((name, w)),
-                        }
-                        Ok(())
-                    })
-                })();
-                r.key("preferred_taints")?;
-            }
-            _ => skip(cur, &k)?,
+            Ok(())
+        })
+    }
+    match struct_start(cur, "struct RoutingConstraints")? {
+        Form::Map => {
+            let mut set = 0u64;
+            object(cur, |cur, k| {
+                match &*k.bytes {
+                    b"required_taints" => {
+                        seen(cur, &mut set, 0, &k, "required_taints")?;
+                        rc.required_taints = str_array(cur).key("required_taints")?;
+                    }
+                    b"preferred_taints" => {
+                        seen(cur, &mut set, 1, &k, "preferred_taints")?;
+                        preferred(cur, &mut rc.preferred_taints).key("preferred_taints")?;
+                    }
+                    _ => skip(cur, &k)?,
+                }
+                Ok(())
+            })?;
         }
-        Ok(())
-    })?;
+        Form::Seq => {
+            let mut seq = SeqStruct::new("RoutingConstraints", 2, false);
+            if seq.field(cur, true)? {
+                rc.required_taints = str_array(cur).index(0)?;
+            }
+            if seq.field(cur, true)? {
+                preferred(cur, &mut rc.preferred_taints).index(1)?;
+            }
+            seq.finish(cur)?;
+        }
+    }
     Ok(Some(rc))
 }
 

@@ -119,6 +119,10 @@ fn enum_val(cur: &mut Cur<'_>, variants: &[&str]) -> PResult<usize> {
         }
         Some(b'{') => {
             cur.enter()?;
+            if cur.ws() == Some(b'}') {
+                // serde_json wants the variant name here, not the `}`.
+                return Err(cur.syntax_here("expected value"));
+            }
             let Some(k) = cur.next_key(true)? else {
                 return Err(cur.syntax_here("expected value"));
             };
@@ -139,6 +143,141 @@ fn enum_val(cur: &mut Cur<'_>, variants: &[&str]) -> PResult<usize> {
         None => Err(cur.eof("a value")),
         Some(_) => Err(cur.syntax_here("expected value")),
     }
+}
+
+/// Which form a nested struct's value took: serde reads a struct from a map
+/// or, positionally, from a sequence (fields in declaration order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Form {
+    Map,
+    Seq,
+}
+
+/// `{` or `[` for a struct (`expected` names it for the wrong-type error);
+/// enters it.
+fn struct_start(cur: &mut Cur<'_>, expected: &str) -> PResult<Form> {
+    match cur.ws() {
+        Some(b'{') => cur.enter().map(|_| Form::Map),
+        Some(b'[') => cur.enter().map(|_| Form::Seq),
+        _ => Err(cur.wrong_type(expected)),
+    }
+}
+
+/// A struct read in serde's sequence form, one field per element.
+///
+/// Two readers exist in the reference and they differ after the last field:
+/// a field read straight from serde_json ends with its `end_seq` (more
+/// elements are the syntax errors `trailing characters` / `trailing comma`,
+/// the extra elements unread), while a field of the flattened prompt group is
+/// read from serde's buffered `Content` (more elements are the shape error
+/// `invalid length N, expected M elements in sequence`).
+struct SeqStruct<'n> {
+    /// serde's `expecting` text: `struct NAME with M elements`.
+    name: &'n str,
+    fields: usize,
+    /// Elements claimed so far.
+    n: usize,
+    /// The closing `]` was consumed.
+    ended: bool,
+    buffered: bool,
+}
+
+impl<'n> SeqStruct<'n> {
+    fn new(name: &'n str, fields: usize, buffered: bool) -> Self {
+        SeqStruct {
+            name,
+            fields,
+            n: 0,
+            ended: false,
+            buffered,
+        }
+    }
+
+    /// The next field's element: `Ok(true)` with the cursor on its value,
+    /// `Ok(false)` when the sequence ended and the field has a serde default,
+    /// else serde's `invalid length` (after the `]`).
+    fn field(&mut self, cur: &mut Cur<'_>, has_default: bool) -> PResult<bool> {
+        if !self.ended {
+            let more = if self.n == 0 {
+                !cur.array_empty()?
+            } else {
+                cur.array_next()?
+            };
+            if more {
+                self.n += 1;
+                return Ok(true);
+            }
+            self.ended = true;
+        }
+        if has_default {
+            return Ok(false);
+        }
+        let s = if self.fields == 1 { "" } else { "s" };
+        Err(cur.shape(
+            cur.i,
+            format!(
+                "invalid length {}, expected struct {} with {} element{s}",
+                self.n, self.name, self.fields
+            ),
+        ))
+    }
+
+    /// After the last field: the sequence must end there.
+    fn finish(self, cur: &mut Cur<'_>) -> PResult<()> {
+        if self.ended {
+            return Ok(());
+        }
+        if self.buffered {
+            let mut extra = 0;
+            while cur.array_next()? {
+                cur.skip_value()?;
+                extra += 1;
+            }
+            if extra == 0 {
+                return Ok(());
+            }
+            let want = self.n;
+            let s = if want == 1 { "" } else { "s" };
+            return Err(cur.shape(
+                cur.i,
+                format!(
+                    "invalid length {}, expected {want} element{s} in sequence",
+                    want + extra
+                ),
+            ));
+        }
+        // serde_json's end_seq.
+        match cur.ws() {
+            Some(b']') => {
+                cur.i += 1;
+                cur.leave();
+                Ok(())
+            }
+            Some(b',') => {
+                cur.i += 1;
+                match cur.ws() {
+                    Some(b']') => Err(cur.syntax_here("trailing comma")),
+                    _ => Err(cur.syntax_here("trailing characters")),
+                }
+            }
+            None => Err(cur.eof("a list")),
+            Some(_) => Err(cur.syntax_here("trailing characters")),
+        }
+    }
+}
+
+/// Where serde_json places an error raised after a nested value was read
+/// (a validation message): the enclosing object's `end_map` has skipped the
+/// whitespace and consumed a closing `}`.
+fn after_value_offset(cur: &Cur<'_>) -> usize {
+    let mut j = cur.i;
+    while cur.b.get(j).is_some_and(|&c| cursor::is_ws(c)) {
+        j += 1;
+    }
+    if cur.b.get(j) == Some(&b'}') {
+        j += 1;
+    }
+    j
 }
 
 /// Iterates an object's entries: `f(cur, key)` must consume the value.
@@ -280,7 +419,7 @@ impl Parser {
                         9,
                         "pinned_worker",
                         r.pinned_worker,
-                        worker_rank(cur, "struct PinnedWorker", true).map(|o| {
+                        worker_rank(cur, "WorkerWithDpRank", true).map(|o| {
                             o.map(|(worker_id, r)| PinnedWorker {
                                 worker_id,
                                 dp_rank: r.unwrap_or(0),
@@ -291,7 +430,7 @@ impl Parser {
                         10,
                         "affinity_target",
                         r.affinity_target,
-                        worker_rank(cur, "struct AffinityTarget", false).map(|o| {
+                        worker_rank(cur, "WorkerAffinityTarget", false).map(|o| {
                             o.map(|(worker_id, dp_rank)| AffinityTarget { worker_id, dp_rank })
                         })
                     ),
@@ -320,7 +459,7 @@ impl Parser {
     /// POST /reservations, both forms (§4.10).
     pub fn reservation<'a>(&self, body: &'a [u8]) -> Result<ReservationRequest<'a>, ParseError> {
         self.run(body, |cur| {
-            top_object(cur, "CreateReservationRequest")?;
+            top_object(cur, "ReservationRequest")?;
             let mut r = ReservationRequest::default();
             let mut sid = None;
             let mut set = 0u64;
@@ -399,10 +538,27 @@ impl Parser {
         })
     }
 
-    /// POST /potential_loads and POST /overlap_scores (§4.13, §4.14).
+    /// POST /potential_loads (§4.13).
     pub fn prompt_query<'a>(&self, body: &'a [u8]) -> Result<PromptQueryRequest<'a>, ParseError> {
+        self.prompt_query_as(body, "PotentialLoadsRequest")
+    }
+
+    /// POST /overlap_scores (§4.14): the /potential_loads body under the
+    /// reference's other struct name (it appears in the wrong-type message).
+    pub fn overlap_scores_query<'a>(
+        &self,
+        body: &'a [u8],
+    ) -> Result<PromptQueryRequest<'a>, ParseError> {
+        self.prompt_query_as(body, "OverlapScoresRequest")
+    }
+
+    fn prompt_query_as<'a>(
+        &self,
+        body: &'a [u8],
+        name: &str,
+    ) -> Result<PromptQueryRequest<'a>, ParseError> {
         self.run(body, |cur| {
-            top_object(cur, "PromptQueryRequest")?;
+            top_object(cur, name)?;
             let mut r = PromptQueryRequest::default();
             let mut set = 0u64;
             let mut pset = 0u64;
