@@ -182,6 +182,11 @@ pub struct Cli {
     /// Log line format (filter with RUST_LOG, default `info`).
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// Token-array loop: auto (the best the CPU has), avx512, avx2 or
+    /// scalar; also `KVSELECT_SIMD` (the flag wins). A path the CPU lacks
+    /// is a start-up error.
+    #[arg(long, value_name = "auto|avx512|avx2|scalar")]
+    pub simd: Option<String>,
 }
 
 /// Connection and request bounds of the HTTP front door.
@@ -349,6 +354,8 @@ pub struct Config {
     pub auth_token_file: Option<std::path::PathBuf>,
     pub tls: Option<TlsFiles>,
     pub log_format: LogFormat,
+    /// The token-array loop (`--simd`), resolved against this CPU.
+    pub number_path: crate::parse::NumberPath,
 }
 
 impl Default for Config {
@@ -378,6 +385,7 @@ impl Default for Config {
             auth_token_file: None,
             tls: None,
             log_format: LogFormat::Text,
+            number_path: crate::parse::NumberPath::Auto,
         }
     }
 }
@@ -532,6 +540,12 @@ impl Config {
             (None, None) => None,
             _ => return Err("--tls-cert and --tls-key go together".into()),
         };
+        let simd = cli
+            .simd
+            .clone()
+            .or_else(|| env("KVSELECT_SIMD"))
+            .unwrap_or_else(|| "auto".into());
+        let number_path = crate::parse::NumberPath::choose_here(&simd)?;
         Ok(Config {
             addr: SocketAddr::new(cli.host, cli.port),
             threads,
@@ -554,6 +568,7 @@ impl Config {
             replica_sync_port: cli.replica_sync_port,
             replica_sync_peers: cli.replica_sync_peers,
             session_affinity_ttl,
+            number_path,
             ..Config::default()
         })
     }
@@ -614,6 +629,7 @@ impl Config {
                 "log_format",
                 format!("{:?}", self.log_format).to_ascii_lowercase(),
             ),
+            ("simd", self.number_path.effective_name().to_string()),
         ];
         for name in DYN_ENV_VARS {
             if let Some(v) = env(name) {
@@ -807,5 +823,51 @@ mod tests {
     fn assume_kv_reuse_flag_pair() {
         let c = Config::from_cli_with_env(cli(&["--no-router-assume-kv-reuse"]), |_| None).unwrap();
         assert!(!c.router.assume_kv_reuse);
+    }
+
+    #[test]
+    fn simd_choice_against_any_cpu() {
+        use crate::parse::NumberPath as P;
+        // (avx2, avx512) of a CPU and what each value gives.
+        assert_eq!(P::choose("auto", true, true), Ok(P::Avx512));
+        assert_eq!(P::choose("auto", true, false), Ok(P::Avx2));
+        assert_eq!(P::choose("auto", false, false), Ok(P::Scalar));
+        assert_eq!(P::choose("scalar", true, true), Ok(P::Scalar));
+        assert_eq!(P::choose("AVX2", true, false), Ok(P::Avx2));
+        assert_eq!(P::choose("avx512", true, true), Ok(P::Avx512));
+        let e = P::choose("avx512", true, false).unwrap_err();
+        assert!(
+            e.contains("lacks the avx512") && e.contains("available: scalar, avx2"),
+            "{e}"
+        );
+        let e = P::choose("avx2", false, false).unwrap_err();
+        assert!(
+            e.contains("lacks the avx2") && e.contains("available: scalar)"),
+            "{e}"
+        );
+        let e = P::choose("sse", true, true).unwrap_err();
+        assert!(
+            e.contains("`sse` is not one of auto, avx512, avx2, scalar"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn simd_flag_wins_over_the_environment() {
+        use crate::parse::NumberPath as P;
+        let env = |k: &str| (k == "KVSELECT_SIMD").then(|| "bogus".to_string());
+        let e = Config::from_cli_with_env(cli(&[]), env).unwrap_err();
+        assert!(e.contains("`bogus`"), "{e}");
+        let c = Config::from_cli_with_env(cli(&["--simd", "scalar"]), env).unwrap();
+        assert_eq!(c.number_path, P::Scalar);
+        let scalar = |k: &str| (k == "KVSELECT_SIMD").then(|| "scalar".to_string());
+        let c = Config::from_cli_with_env(cli(&[]), scalar).unwrap();
+        assert_eq!(c.number_path, P::Scalar);
+        let c = Config::from_cli_with_env(cli(&[]), |_| None).unwrap();
+        assert_eq!(c.number_path, P::choose_here("auto").unwrap());
+        assert!(c
+            .describe(|_| None)
+            .iter()
+            .any(|(n, v)| *n == "simd" && v == c.number_path.effective_name()));
     }
 }

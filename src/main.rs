@@ -112,6 +112,7 @@ async fn run(config: Config) -> Result<(), String> {
         addr = %local,
         tls = app.config.tls.is_some(),
         auth = server.auth().is_some(),
+        simd = app.config.number_path.effective_name(),
         "kvselect listening"
     );
     if server.auth().is_none() && !local.ip().is_loopback() {

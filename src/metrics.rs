@@ -262,6 +262,19 @@ fn state_registry(app: &App) -> Registry {
     )
     .with_label_values(&[env!("CARGO_PKG_VERSION")])
     .set(1);
+    registered(
+        &r,
+        IntGaugeVec::new(
+            Opts::new(
+                "kvselect_simd_path",
+                "Token-array loop this server runs (--simd resolved); always 1.",
+            ),
+            &["path"],
+        )
+        .expect("valid"),
+    )
+    .with_label_values(&[app.config.number_path.effective_name()])
+    .set(1);
     gauge(
         "kvselect_shutting_down",
         "1 while the server drains after SIGTERM/SIGINT (/ready answers 503).",

@@ -131,7 +131,8 @@ impl App {
                 crate::pool::DEFAULT_MAX_CAPACITY * 4,
             ),
             Pool::new(16 * config.threads + 16, crate::pool::DEFAULT_MAX_CAPACITY),
-        );
+        )
+        .with_number_path(config.number_path);
         App {
             pending: PendingCache::new(
                 config.selection_cache_ttl,

@@ -108,6 +108,65 @@ pub enum NumberPath {
 }
 
 impl NumberPath {
+    /// The path a `--simd` / `KVSELECT_SIMD` value asks for, given which
+    /// vector runs the CPU has (pure, so tests can pass any CPU). `auto`
+    /// resolves to the best the CPU has; a named path the CPU lacks, or an
+    /// unknown value, is an error with the message the server exits with.
+    pub fn choose(value: &str, avx2: bool, avx512: bool) -> Result<NumberPath, String> {
+        let lacks = |name: &str| {
+            Err(format!(
+                "--simd {name}: this CPU lacks the {name} features the token loop needs                  (available: {})",
+                Self::names_for(avx2, avx512)
+            ))
+        };
+        match value.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(if avx512 {
+                NumberPath::Avx512
+            } else if avx2 {
+                NumberPath::Avx2
+            } else {
+                NumberPath::Scalar
+            }),
+            "scalar" => Ok(NumberPath::Scalar),
+            "avx2" if avx2 => Ok(NumberPath::Avx2),
+            "avx2" => lacks("avx2"),
+            "avx512" if avx512 => Ok(NumberPath::Avx512),
+            "avx512" => lacks("avx512"),
+            other => Err(format!(
+                "--simd / KVSELECT_SIMD: `{other}` is not one of auto, avx512, avx2, scalar"
+            )),
+        }
+    }
+
+    /// [`NumberPath::choose`] for this CPU.
+    pub fn choose_here(value: &str) -> Result<NumberPath, String> {
+        Self::choose(value, avx2_available(), avx512_available())
+    }
+
+    /// "scalar, avx2, avx512" as far as the CPU has them.
+    fn names_for(avx2: bool, avx512: bool) -> String {
+        let mut v = vec!["scalar"];
+        if avx2 {
+            v.push("avx2");
+        }
+        if avx512 {
+            v.push("avx512");
+        }
+        v.join(", ")
+    }
+
+    /// The loop this path really runs on this CPU: `scalar`, `avx2` or
+    /// `avx512` (`auto` and the quiet fall-backs resolved).
+    pub fn effective_name(self) -> &'static str {
+        match self {
+            NumberPath::Scalar => "scalar",
+            NumberPath::Avx2 if avx2_available() => "avx2",
+            NumberPath::Auto | NumberPath::Avx512 if avx512_available() => "avx512",
+            NumberPath::Auto | NumberPath::Avx512 if avx2_available() => "avx2",
+            _ => "scalar",
+        }
+    }
+
     /// The token loops this CPU really runs, scalar first, each with the name
     /// tests print. A vector path is listed only where the CPU has its
     /// features, so a comparison never runs AVX2 (or the scalar loop) under
