@@ -7,7 +7,7 @@
 //! a slow catalog change (stopping a subscriber) never blocks a selection.
 
 use crate::index::{Index, WorkerRank};
-use crate::ingest::{validate_endpoint, IngestHub, ListenerSpec};
+use crate::ingest::{validate_kv_endpoint, IngestHub, ListenerSpec, ListenerState};
 use crate::parse::{KvTransferEnforcement, WorkerFields};
 use crate::reserve::Ledger;
 use parking_lot::{Mutex, RwLock};
@@ -135,6 +135,23 @@ pub struct WorkerRecord {
     pub kv_transfer_preferred_weight: Option<f32>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub not_schedulable_reasons: Vec<String>,
+    /// The KV-event stream of each rank as ingestion sees it now (filled by
+    /// [`Catalog::list`]; absent for a worker without streams). kvselect's
+    /// addition to the reference's record.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub kv_streams: Vec<KvStream>,
+}
+
+/// One rank's KV-event stream in a worker record. A `failed` stream (its
+/// socket could not be opened; retried with backoff) leaves the worker
+/// schedulable by load, but its KV overlap stays empty until the stream opens.
+#[derive(Debug, Clone, Serialize)]
+pub struct KvStream {
+    pub dp_rank: u32,
+    pub state: ListenerState,
+    pub last_seq: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 impl WorkerRecord {
@@ -163,6 +180,7 @@ impl WorkerRecord {
             kv_transfer_enforcement: f.kv_transfer_enforcement,
             kv_transfer_preferred_weight: f.kv_transfer_preferred_weight,
             not_schedulable_reasons: Vec::new(),
+            kv_streams: Vec::new(),
         }
     }
 
@@ -254,10 +272,12 @@ pub struct Catalog {
     snapshot: RwLock<Arc<Snapshot>>,
     hub: IngestHub,
     ledger: Arc<Ledger>,
+    /// Accept `ipc://` KV-event and replay endpoints (`--allow-ipc-endpoints`).
+    allow_ipc: bool,
 }
 
 impl Catalog {
-    pub fn new(hub: IngestHub, ledger: Arc<Ledger>) -> Catalog {
+    pub fn new(hub: IngestHub, ledger: Arc<Ledger>, allow_ipc: bool) -> Catalog {
         Catalog {
             state: Mutex::new(State {
                 workers: BTreeMap::new(),
@@ -266,6 +286,7 @@ impl Catalog {
             snapshot: RwLock::new(Arc::new(Snapshot::default())),
             hub,
             ledger,
+            allow_ipc,
         }
     }
 
@@ -328,6 +349,18 @@ impl Catalog {
             .filter(|w| group.is_none_or(|g| w.routing_group == g))
             .cloned()
             .collect();
+        let mut streams: HashMap<u64, Vec<KvStream>> = HashMap::new();
+        for l in self.hub.stats().listeners {
+            streams.entry(l.worker_id).or_default().push(KvStream {
+                dp_rank: l.dp_rank,
+                state: l.state,
+                last_seq: l.last_seq,
+                error: l.error,
+            });
+        }
+        for w in &mut out {
+            w.kv_streams = streams.remove(&w.worker_id).unwrap_or_default();
+        }
         out.sort_by(|a, b| {
             (&a.model_name, &a.routing_group, a.worker_id).cmp(&(
                 &b.model_name,
@@ -484,7 +517,7 @@ impl Catalog {
         }
         for rank in r.ranks() {
             if let Some(ep) = r.kv_endpoint(rank) {
-                if let Err(e) = validate_endpoint(ep) {
+                if let Err(e) = validate_kv_endpoint(ep, self.allow_ipc) {
                     reasons.push(format!(
                         "reconciliation failed: invalid kv_events endpoint for worker {} dp_rank {rank}: {e}",
                         r.worker_id
@@ -493,7 +526,7 @@ impl Catalog {
             }
         }
         if let Some(ep) = r.replay_endpoint.as_deref().filter(|e| !e.is_empty()) {
-            if let Err(e) = validate_endpoint(ep) {
+            if let Err(e) = validate_kv_endpoint(ep, self.allow_ipc) {
                 reasons.push(format!(
                     "reconciliation failed: invalid replay endpoint for worker {}: {e}",
                     r.worker_id

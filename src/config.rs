@@ -179,6 +179,10 @@ pub struct Cli {
     /// PEM private key for --tls-cert.
     #[arg(long, requires = "tls_cert")]
     pub tls_key: Option<std::path::PathBuf>,
+    /// Accept `ipc://path` KV-event and replay endpoints from registering
+    /// workers (otherwise only `tcp://host:port`; `inproc://` never).
+    #[arg(long)]
+    pub allow_ipc_endpoints: bool,
     /// Log line format (filter with RUST_LOG, default `info`).
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -356,6 +360,8 @@ pub struct Config {
     pub log_format: LogFormat,
     /// The token-array loop (`--simd`), resolved against this CPU.
     pub number_path: crate::parse::NumberPath,
+    /// Workers may register `ipc://` KV-event and replay endpoints.
+    pub allow_ipc_endpoints: bool,
 }
 
 impl Default for Config {
@@ -386,6 +392,7 @@ impl Default for Config {
             tls: None,
             log_format: LogFormat::Text,
             number_path: crate::parse::NumberPath::Auto,
+            allow_ipc_endpoints: false,
         }
     }
 }
@@ -565,6 +572,7 @@ impl Config {
             auth_token_file: cli.auth_token_file,
             tls,
             log_format: cli.log_format,
+            allow_ipc_endpoints: cli.allow_ipc_endpoints,
             replica_sync_port: cli.replica_sync_port,
             replica_sync_peers: cli.replica_sync_peers,
             session_affinity_ttl,
@@ -625,6 +633,7 @@ impl Config {
             ("shutdown_timeout", format!("{:?}", l.shutdown_timeout)),
             ("auth_token_file", opt(&self.auth_token_file)),
             ("tls_cert", opt(&self.tls.as_ref().map(|t| t.cert.clone()))),
+            ("allow_ipc_endpoints", self.allow_ipc_endpoints.to_string()),
             (
                 "log_format",
                 format!("{:?}", self.log_format).to_ascii_lowercase(),

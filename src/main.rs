@@ -16,9 +16,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// How often stale bookings are swept.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
 
-/// File descriptors kept beyond --max-connections for the listener, ZeroMQ
-/// sockets, peers and files.
-const FD_HEADROOM: u64 = 256;
+use kvselect::runtime::FD_HEADROOM;
 
 fn main() {
     let config = match Config::from_cli(Cli::parse()) {
@@ -81,6 +79,13 @@ async fn run(config: Config) -> Result<(), String> {
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     let peers = config.indexer_peers.clone();
     let app = Arc::new(App::new(config));
+    let (max_sockets, streams) = app.catalog.hub().capacity();
+    tracing::info!(
+        kv_streams = streams,
+        zmq_max_sockets = max_sockets,
+        fd_limit = kvselect::runtime::fd_limit().unwrap_or(0),
+        "KV-event streams that fit (a stream with a replay endpoint takes two sockets)"
+    );
     let server = Server::from_config(Arc::clone(&app))?;
     let auth = server.auth().cloned();
     kvselect::shutdown::on_sighup(move || match &auth {

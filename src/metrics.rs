@@ -493,7 +493,7 @@ fn state_registry(app: &App) -> Registry {
     let stream = ["worker_id", "dp_rank"];
     let state = int_gauge_vec(
         "kvselect_kv_stream_state",
-        "KV-event stream state per worker rank: 1 for the current state (connecting, live, replaying), 0 otherwise.",
+        "KV-event stream state per worker rank: 1 for the current state (connecting, live, replaying, failed: the socket could not be opened and is retried), 0 otherwise.",
         &["worker_id", "dp_rank", "state"],
     );
     let last_seq = gauge_vec(
@@ -508,6 +508,7 @@ fn state_registry(app: &App) -> Registry {
             (ListenerState::Connecting, "connecting"),
             (ListenerState::Live, "live"),
             (ListenerState::Replaying, "replaying"),
+            (ListenerState::Failed, "failed"),
         ] {
             state
                 .with_label_values(&[w, d, name])

@@ -39,10 +39,28 @@ pub fn build(config: &Config) -> std::io::Result<tokio::runtime::Runtime> {
     b.build()
 }
 
-/// Raises the soft `RLIMIT_NOFILE` towards `want` (up to the hard limit)
-/// and returns the soft limit now in force. Each connection costs one file
-/// descriptor; when they run out, accept fails and even /health goes
-/// unanswered.
+/// File descriptors kept beyond --max-connections for the listener, peers,
+/// files and libzmq's own; the rest of the fd limit sizes the KV-event
+/// streams (two descriptors per ZMQ socket).
+pub const FD_HEADROOM: u64 = 256;
+
+/// The soft `RLIMIT_NOFILE` in force.
+pub fn fd_limit() -> std::io::Result<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, writable rlimit for the duration of the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(lim.rlim_cur)
+}
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit (at least towards
+/// `want`) and returns the soft limit now in force. Each connection costs
+/// one file descriptor and each KV-event stream two; when they run out,
+/// accept fails and streams cannot open.
 pub fn raise_fd_limit(want: u64) -> std::io::Result<u64> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
@@ -54,6 +72,20 @@ pub fn raise_fd_limit(want: u64) -> std::io::Result<u64> {
     }
     // rlim_t is u64 on Linux.
     let want: libc::rlim_t = want;
+    if lim.rlim_cur >= lim.rlim_max {
+        return Ok(lim.rlim_cur);
+    }
+    let raised = libc::rlimit {
+        rlim_cur: lim.rlim_max,
+        rlim_max: lim.rlim_max,
+    };
+    // SAFETY: `raised` is a valid rlimit; lowering or keeping the hard limit
+    // needs no privilege.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+        return Ok(raised.rlim_cur);
+    }
+    // Some systems refuse an unlimited or very large soft limit; ask for
+    // what this process needs instead.
     if lim.rlim_cur >= want {
         return Ok(lim.rlim_cur);
     }

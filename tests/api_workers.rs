@@ -380,3 +380,78 @@ async fn taints_are_a_set_and_names_are_never_null() {
         assert_eq!(r.status, 422, "{field}");
     }
 }
+
+/// Issue #15 item 3: KV-event and replay endpoints must be tcp://host:port
+/// with a real host and port; ipc:// only with --allow-ipc-endpoints;
+/// inproc:// never. A refused endpoint keeps the worker incomplete with a
+/// reason naming it, and opens no stream.
+#[tokio::test]
+async fn kv_endpoint_validation_keeps_bad_endpoints_incomplete() {
+    let worker = |id: u64, kv: &str, replay: Option<&str>| {
+        let mut w = json!({"worker_id": id, "endpoint": "http://w", "block_size": 16,
+            "kv_events_endpoint": kv});
+        if let Some(r) = replay {
+            w["replay_endpoint"] = json!(r);
+        }
+        w
+    };
+    let s = start().await;
+    let r = s
+        .post("/workers", &worker(1, "tcp://127.0.0.1:19150", None))
+        .await;
+    assert_eq!(r.json()["lifecycle"], "schedulable");
+    for (id, kv, replay, why) in [
+        (2, "tcp://256.1.1.1:1", None, "invalid host `256.1.1.1`"),
+        (3, "tcp://127.0.0.1:0", None, "invalid port `0`"),
+        (4, "tcp://127.0.0.1:70000", None, "invalid port `70000`"),
+        (5, "inproc://x", None, "inproc endpoints are refused"),
+        (
+            6,
+            "ipc:///etc/passwd",
+            None,
+            "refused without --allow-ipc-endpoints",
+        ),
+        (
+            7,
+            "tcp://127.0.0.1:19151",
+            Some("tcp://127.0.0.1:0"),
+            "invalid replay endpoint for worker 7",
+        ),
+    ] {
+        let r = s.post("/workers", &worker(id, kv, replay)).await;
+        assert_eq!(r.status, 201);
+        let v = r.json();
+        assert_eq!(v["lifecycle"], "incomplete", "{kv}");
+        let reasons = v["not_schedulable_reasons"].to_string();
+        assert!(reasons.contains(why), "{kv}: {reasons}");
+    }
+    // No listener was started for a refused endpoint.
+    let started = s.app.catalog.hub().stats().listeners.len();
+    assert_eq!(started, 1);
+    // A PATCH to a good endpoint makes a refused worker schedulable.
+    let r = s
+        .send(
+            "PATCH",
+            "/workers/3",
+            &json!({"kv_events_endpoint": "tcp://127.0.0.1:19152"}),
+        )
+        .await;
+    assert_eq!(r.json()["lifecycle"], "schedulable");
+
+    let mut config = test_config();
+    config.allow_ipc_endpoints = true;
+    let s = start_with(config).await;
+    let r = s
+        .post(
+            "/workers",
+            &worker(1, "ipc:///tmp/kvselect-test.sock", None),
+        )
+        .await;
+    assert_eq!(r.json()["lifecycle"], "schedulable");
+    let r = s.post("/workers", &worker(2, "inproc://x", None)).await;
+    assert_eq!(
+        r.json()["lifecycle"],
+        "incomplete",
+        "inproc even with the flag"
+    );
+}

@@ -117,8 +117,13 @@ pub struct App {
 impl App {
     pub fn new(config: Config) -> App {
         let ledger = Arc::new(Ledger::new(config.booking_expiry));
+        // Size the ZMQ context from the fd limit in force (the binary has
+        // raised it already), keeping --max-connections plus headroom free.
+        let fd_limit = crate::runtime::fd_limit().unwrap_or(1024);
+        let reserved = config.limits.max_connections as u64 + crate::runtime::FD_HEADROOM;
         let hub = IngestHub::new(IngestConfig {
             threads: config.ingest_threads,
+            max_sockets: IngestConfig::sockets_for_fds(fd_limit, reserved),
             ..IngestConfig::default()
         });
         let parser = Parser::new(
@@ -139,7 +144,7 @@ impl App {
                 config.selection_cache_max_entries,
                 config.selection_cache_max_bytes,
             ),
-            catalog: Catalog::new(hub, Arc::clone(&ledger)),
+            catalog: Catalog::new(hub, Arc::clone(&ledger), config.allow_ipc_endpoints),
             ledger,
             parser,
             affinity: config.session_affinity_ttl.map(Affinity::new),

@@ -21,6 +21,7 @@ use super::spec::{IngestConfig, ListenerSpec};
 use super::stats::{
     inc, state_code, state_of, Counters, IngestStats, ListenerState, ListenerStats, Shared, NO_SEQ,
 };
+use super::zctx::{Ctx, Socket};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::mpsc::{self, Sender, SyncSender};
@@ -34,7 +35,7 @@ const ACK_TIMEOUT: Duration = Duration::from_secs(10);
 struct Worker {
     tx: Sender<Cmd>,
     /// PUSH side of the thread's inproc doorbell.
-    doorbell: Mutex<zmq::Socket>,
+    doorbell: Mutex<Socket>,
     join: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -56,7 +57,8 @@ struct Registry {
 
 /// The ingestion hub (see the module docs).
 pub struct IngestHub {
-    ctx: zmq::Context,
+    /// ZMQ_MAX_SOCKETS in force on the hub's context.
+    max_sockets: i32,
     threads: Vec<Worker>,
     registry: Mutex<Registry>,
     counters: Arc<Counters>,
@@ -72,7 +74,7 @@ impl IngestHub {
     /// If the OS refuses to create a thread or an inproc socket at startup
     /// (no useful way to run without them).
     pub fn new(config: IngestConfig) -> IngestHub {
-        let ctx = zmq::Context::new();
+        let (ctx, max_sockets) = Ctx::new(config.max_sockets);
         let counters = Arc::new(Counters::default());
         let hub_id = HUB_SEQ.fetch_add(1, Relaxed);
         let n = config.threads.max(1);
@@ -108,7 +110,7 @@ impl IngestHub {
             });
         }
         IngestHub {
-            ctx,
+            max_sockets,
             threads,
             registry: Mutex::new(Registry {
                 load: vec![0; n],
@@ -119,10 +121,13 @@ impl IngestHub {
         }
     }
 
-    /// The ZMQ context of the hub's sockets (an `inproc://` publisher must
-    /// share it).
-    pub fn context(&self) -> &zmq::Context {
-        &self.ctx
+    /// ZMQ_MAX_SOCKETS in force, and how many KV-event streams fit in it
+    /// (each ingest thread's doorbell takes two sockets; a stream with a
+    /// replay endpoint takes one more than this counts).
+    pub fn capacity(&self) -> (i32, usize) {
+        let internal = 2 * self.threads.len();
+        let streams = (self.max_sockets.max(0) as usize).saturating_sub(internal);
+        (self.max_sockets, streams)
     }
 
     /// Makes `worker_id`'s listeners exactly `listeners`. A listener whose
@@ -183,6 +188,7 @@ impl IngestHub {
                         endpoint: a.spec.endpoint.clone(),
                         state: state_of(a.shared.state.load(Relaxed)),
                         last_seq: (seq != NO_SEQ).then_some(seq),
+                        error: lock(&a.shared.error).clone(),
                     }
                 })
             })
@@ -205,6 +211,7 @@ impl IngestHub {
         let shared = Arc::new(Shared {
             state: AtomicU8::new(state_code(ListenerState::Connecting)),
             last_seq: AtomicU64::new(NO_SEQ),
+            error: Mutex::new(None),
         });
         let listener = Listener::new(id, worker_id, spec.clone(), shared.clone(), &self.config);
         self.send(thread, |ack| Cmd::Add(Box::new(listener), ack));
@@ -266,7 +273,7 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-pub(super) fn ring(doorbell: &Mutex<zmq::Socket>) {
+pub(super) fn ring(doorbell: &Mutex<Socket>) {
     // A full doorbell queue already guarantees a wake-up.
     let _ = lock(doorbell).send(&[][..], zmq::DONTWAIT);
 }

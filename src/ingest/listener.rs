@@ -14,6 +14,7 @@ use super::poll::Env;
 use super::sequence::{Catchup, LiveAction, ReplayTiming, Sequence};
 use super::spec::{IngestConfig, ListenerSpec};
 use super::stats::{inc, state_code, Counters, ListenerState, Shared};
+use super::zctx::{Ctx, Socket};
 use std::os::fd::RawFd;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -87,11 +88,14 @@ impl Frames {
 pub(super) struct Listener {
     pub(super) id: u64,
     spec: ListenerSpec,
-    sub: Option<zmq::Socket>,
+    sub: Option<Socket>,
     /// When to (re)try creating the SUB socket after an error.
     sub_retry: Option<Instant>,
     sub_backoff: Duration,
-    dealer: Option<zmq::Socket>,
+    /// The SUB socket could not be opened at the last attempt (logged once
+    /// when this turns true, once when it turns false again).
+    failing: bool,
+    dealer: Option<Socket>,
     /// Cursor, restart detection, the replay in progress and its backoff.
     seq: Sequence<KvBatch>,
     applier: Applier,
@@ -120,6 +124,7 @@ impl Listener {
             sub: None,
             sub_retry: Some(Instant::now()),
             sub_backoff: config.reconnect_min,
+            failing: false,
             dealer: None,
             seq: Sequence::new(ReplayTiming {
                 timeout: config.replay_timeout,
@@ -135,8 +140,8 @@ impl Listener {
     /// The socket to poll this round, if any.
     pub(super) fn watched(&self, w: Watch) -> Option<&zmq::Socket> {
         match w {
-            Watch::Sub => self.sub.as_ref(),
-            Watch::Dealer => self.dealer.as_ref(),
+            Watch::Sub => self.sub.as_deref(),
+            Watch::Dealer => self.dealer.as_deref(),
             Watch::None => None,
         }
     }
@@ -160,6 +165,8 @@ impl Listener {
             ListenerState::Replaying
         } else if self.sub.is_some() {
             ListenerState::Live
+        } else if self.failing {
+            ListenerState::Failed
         } else {
             ListenerState::Connecting
         };
@@ -186,11 +193,24 @@ impl Listener {
                     self.sub = Some(s);
                     self.sub_retry = None;
                     self.sub_backoff = env.config.reconnect_min;
+                    if self.failing {
+                        self.failing = false;
+                        *super::hub::lock(&self.shared.error) = None;
+                        tracing::info!(worker_id = self.applier.worker_id(),
+                            dp_rank = self.spec.dp_rank, endpoint = %self.spec.endpoint,
+                            "KV-event stream opened");
+                    }
                 }
                 Err(e) => {
                     inc(&env.counters.connect_errors);
-                    tracing::warn!(endpoint = %self.spec.endpoint, error = %e,
-                        "cannot open KV-events SUB socket; retrying");
+                    if !self.failing {
+                        self.failing = true;
+                        *super::hub::lock(&self.shared.error) = Some(e.to_string());
+                        tracing::warn!(worker_id = self.applier.worker_id(),
+                            dp_rank = self.spec.dp_rank, endpoint = %self.spec.endpoint,
+                            error = %e,
+                            "cannot open the KV-event stream; retrying with backoff (logged again when it opens)");
+                    }
                     self.sub_retry = Some(now + self.sub_backoff);
                     self.sub_backoff = (self.sub_backoff * 2).min(env.config.reconnect_max);
                 }
@@ -390,11 +410,7 @@ impl Listener {
     }
 }
 
-fn open_sub(
-    ctx: &zmq::Context,
-    endpoint: &str,
-    c: &IngestConfig,
-) -> Result<zmq::Socket, zmq::Error> {
+fn open_sub(ctx: &Ctx, endpoint: &str, c: &IngestConfig) -> Result<Socket, zmq::Error> {
     let s = ctx.socket(zmq::SUB)?;
     s.set_linger(0)?;
     s.set_reconnect_ivl(c.reconnect_min.as_millis() as i32)?;
@@ -411,11 +427,7 @@ fn open_sub(
     Ok(s)
 }
 
-fn open_dealer(
-    ctx: &zmq::Context,
-    endpoint: &str,
-    c: &IngestConfig,
-) -> Result<zmq::Socket, zmq::Error> {
+fn open_dealer(ctx: &Ctx, endpoint: &str, c: &IngestConfig) -> Result<Socket, zmq::Error> {
     let s = ctx.socket(zmq::DEALER)?;
     s.set_linger(0)?;
     s.set_maxmsgsize(c.max_msg_bytes)?;

@@ -25,7 +25,11 @@ mod poll;
 mod sequence;
 pub mod spec;
 mod stats;
+mod zctx;
 
 pub use hub::IngestHub;
-pub use spec::{validate_endpoint, EndpointError, EndpointProblem, IngestConfig, ListenerSpec};
+pub use spec::{
+    validate_endpoint, validate_kv_endpoint, EndpointError, EndpointProblem, IngestConfig,
+    ListenerSpec,
+};
 pub use stats::{IngestCounters, IngestStats, ListenerState, ListenerStats};

@@ -30,7 +30,7 @@ pub(super) enum Cmd {
 
 /// What every listener of a thread needs besides itself.
 pub(super) struct Env {
-    pub(super) ctx: zmq::Context,
+    pub(super) ctx: super::zctx::Ctx,
     pub(super) counters: Arc<Counters>,
     pub(super) config: IngestConfig,
 }
@@ -39,12 +39,12 @@ pub(super) struct Env {
 pub(super) struct Thread {
     env: Env,
     rx: Receiver<Cmd>,
-    doorbell: zmq::Socket,
+    doorbell: super::zctx::Socket,
     listeners: Vec<Listener>,
 }
 
 impl Thread {
-    pub(super) fn new(env: Env, rx: Receiver<Cmd>, doorbell: zmq::Socket) -> Thread {
+    pub(super) fn new(env: Env, rx: Receiver<Cmd>, doorbell: super::zctx::Socket) -> Thread {
         Thread {
             env,
             rx,

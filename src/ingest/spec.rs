@@ -33,6 +33,10 @@ pub struct IngestConfig {
     /// ZMQ drop the connection (it then reconnects). Bounds the memory a
     /// broken or hostile publisher can make us hold.
     pub max_msg_bytes: i64,
+    /// ZMQ_MAX_SOCKETS of the hub's context: one per stream (SUB), one more
+    /// per stream with a replay endpoint, two per ingest thread. Size it from
+    /// the fd limit with [`IngestConfig::sockets_for_fds`].
+    pub max_sockets: i32,
 }
 
 pub const DEFAULT_THREADS: usize = 2;
@@ -44,6 +48,21 @@ pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(15);
 pub const DEFAULT_RCVHWM: i32 = 100_000;
 pub const DEFAULT_MAX_MSGS_PER_ROUND: usize = 256;
 pub const DEFAULT_MAX_MSG_BYTES: i64 = 64 << 20;
+/// libzmq's own default; never size below it.
+pub const MIN_MAX_SOCKETS: i32 = 1023;
+/// File descriptors one connected ZMQ socket costs: its mailbox (an
+/// eventfd), its TCP connection and the I/O thread's share of polling it
+/// (4,096 subscribed ranks held 12,316 descriptors in `tests/ingest_fleet.rs`).
+pub const FDS_PER_SOCKET: u64 = 3;
+
+impl IngestConfig {
+    /// ZMQ sockets that fit in `fd_limit` descriptors once `reserved` are
+    /// kept for HTTP connections and files (at least [`MIN_MAX_SOCKETS`]).
+    pub fn sockets_for_fds(fd_limit: u64, reserved: u64) -> i32 {
+        let n = fd_limit.saturating_sub(reserved) / FDS_PER_SOCKET;
+        (n.min(i32::MAX as u64) as i32).max(MIN_MAX_SOCKETS)
+    }
+}
 
 impl Default for IngestConfig {
     fn default() -> Self {
@@ -57,6 +76,7 @@ impl Default for IngestConfig {
             rcvhwm: DEFAULT_RCVHWM,
             max_msgs_per_round: DEFAULT_MAX_MSGS_PER_ROUND,
             max_msg_bytes: DEFAULT_MAX_MSG_BYTES,
+            max_sockets: MIN_MAX_SOCKETS,
         }
     }
 }
@@ -133,6 +153,63 @@ pub fn validate_endpoint(s: &str) -> Result<(), EndpointError> {
     Ok(())
 }
 
+/// Checks a KV-event or replay endpoint a worker registers, stricter than
+/// [`validate_endpoint`]: only `tcp://host:port` with a port in 1..=65535
+/// and a real host (an IPv4 address, a bracketed IPv6 address or an RFC 1123
+/// host name; no `*`, no interface prefix), or `ipc://path` when
+/// `allow_ipc`. `inproc://` is always refused: it can only reach a socket of
+/// this process, and a connect to an unbound inproc name holds its socket
+/// (and two descriptors) in the ZMQ context until someone binds it.
+pub fn validate_kv_endpoint(s: &str, allow_ipc: bool) -> Result<(), EndpointError> {
+    validate_endpoint(s)?;
+    let fail = |problem: EndpointProblem| {
+        Err(EndpointError {
+            endpoint: s.to_owned(),
+            problem,
+        })
+    };
+    let (scheme, addr) = s.split_once("://").unwrap_or_default();
+    match scheme {
+        "tcp" => {}
+        "ipc" if allow_ipc => return Ok(()),
+        "ipc" => return fail(EndpointProblem::IpcNotAllowed),
+        "inproc" => return fail(EndpointProblem::InprocRefused),
+        other => return fail(EndpointProblem::NotTcp(other.to_owned())),
+    }
+    // validate_endpoint found a `host:port` with a u16 or `*` port.
+    let (host, port) = addr.rsplit_once(':').unwrap_or_default();
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => {}
+        _ => return fail(EndpointProblem::InvalidPort(port.to_owned())),
+    }
+    if !valid_host(host) {
+        return fail(EndpointProblem::InvalidHost(host.to_owned()));
+    }
+    Ok(())
+}
+
+/// An IPv4 address, a bracketed IPv6 address or an RFC 1123 host name.
+fn valid_host(host: &str) -> bool {
+    if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        return v6.parse::<std::net::Ipv6Addr>().is_ok();
+    }
+    if host.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return host.parse::<std::net::Ipv4Addr>().is_ok();
+    }
+    let name = host.strip_suffix('.').unwrap_or(host);
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
+}
+
 /// Why [`validate_endpoint`] refused an endpoint. Its `Display` is the
 /// whole message, Dynamo's shape: "invalid ZMQ endpoint `x`: missing scheme".
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -150,6 +227,11 @@ pub enum EndpointProblem {
     MissingPort,
     MissingHost,
     InvalidPort(String),
+    InvalidHost(String),
+    /// A KV-event endpoint that is neither `tcp://` nor an allowed `ipc://`.
+    NotTcp(String),
+    IpcNotAllowed,
+    InprocRefused,
 }
 
 impl std::fmt::Display for EndpointError {
@@ -162,6 +244,16 @@ impl std::fmt::Display for EndpointError {
             EndpointProblem::MissingPort => f.write_str("missing port"),
             EndpointProblem::MissingHost => f.write_str("missing host"),
             EndpointProblem::InvalidPort(p) => write!(f, "invalid port `{p}`"),
+            EndpointProblem::InvalidHost(h) => write!(f, "invalid host `{h}`"),
+            EndpointProblem::NotTcp(s) => {
+                write!(f, "KV-event endpoints must be tcp://host:port, not `{s}`")
+            }
+            EndpointProblem::IpcNotAllowed => {
+                f.write_str("ipc endpoints are refused without --allow-ipc-endpoints")
+            }
+            EndpointProblem::InprocRefused => {
+                f.write_str("inproc endpoints are refused (they reach only this process)")
+            }
         }
     }
 }
@@ -204,5 +296,50 @@ mod tests {
                 format!("invalid ZMQ endpoint `{bad}`: {why}")
             );
         }
+    }
+
+    #[test]
+    fn kv_endpoints_are_tcp_with_a_real_host_and_port() {
+        for ok in [
+            "tcp://127.0.0.1:5557",
+            "tcp://127.0.0.1:65535",
+            "tcp://[::1]:5557",
+            "tcp://engine-0.svc.cluster.local:1",
+            "tcp://localhost.:5557",
+        ] {
+            assert_eq!(validate_kv_endpoint(ok, false), Ok(()), "{ok}");
+        }
+        assert_eq!(validate_kv_endpoint("ipc:///tmp/kv.sock", true), Ok(()));
+        for (bad, why) in [
+            ("tcp://256.1.1.1:1", "invalid host `256.1.1.1`"),
+            ("tcp://1.2.3:1", "invalid host `1.2.3`"),
+            ("tcp://127.0.0.1:0", "invalid port `0`"),
+            ("tcp://127.0.0.1:65536", "invalid port `65536`"),
+            ("tcp://*:5557", "invalid host `*`"),
+            ("tcp://[::1:5557", "invalid host `[::1`"),
+            ("tcp://-bad.host:1", "invalid host `-bad.host`"),
+            ("tcp://eth0;10.0.0.1:1", "invalid host `eth0;10.0.0.1`"),
+            ("tcp://h:1/x", "invalid port `1/x`"),
+            (
+                "ipc:///etc/passwd",
+                "ipc endpoints are refused without --allow-ipc-endpoints",
+            ),
+            (
+                "inproc://x",
+                "inproc endpoints are refused (they reach only this process)",
+            ),
+            (
+                "udp://h:1",
+                "KV-event endpoints must be tcp://host:port, not `udp`",
+            ),
+            ("tcp://host", "missing port"),
+        ] {
+            assert_eq!(
+                validate_kv_endpoint(bad, false).unwrap_err().to_string(),
+                format!("invalid ZMQ endpoint `{bad}`: {why}"),
+                "{bad}"
+            );
+        }
+        assert!(validate_kv_endpoint("inproc://x", true).is_err());
     }
 }

@@ -37,11 +37,15 @@ pub struct IngestCounters {
     pub listeners_stopped: u64,
 }
 
-/// Where a listener is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where a listener is (`/workers` `kv_streams[].state`, lower case).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ListenerState {
-    /// Waiting to (re)create its socket after an error.
+    /// Its socket is about to be created.
     Connecting,
+    /// Its socket could not be opened (fd or ZMQ socket limit, bad
+    /// address); retried with exponential backoff.
+    Failed,
     Live,
     Replaying,
 }
@@ -55,6 +59,8 @@ pub struct ListenerStats {
     pub state: ListenerState,
     /// Last applied seq (`None` before the first batch).
     pub last_seq: Option<u64>,
+    /// Why the socket could not be opened (state `Failed`).
+    pub error: Option<String>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -176,6 +182,8 @@ pub(super) struct Shared {
     /// `u64::MAX` = no batch yet (a real seq never reaches it: it is the
     /// replay end marker).
     pub(super) last_seq: AtomicU64,
+    /// The open error while the state is `Failed`.
+    pub(super) error: std::sync::Mutex<Option<String>>,
 }
 
 pub(super) const NO_SEQ: u64 = u64::MAX;
@@ -185,6 +193,7 @@ pub(super) fn state_code(s: ListenerState) -> u8 {
         ListenerState::Connecting => 0,
         ListenerState::Live => 1,
         ListenerState::Replaying => 2,
+        ListenerState::Failed => 3,
     }
 }
 
@@ -192,6 +201,7 @@ pub(super) fn state_of(c: u8) -> ListenerState {
     match c {
         1 => ListenerState::Live,
         2 => ListenerState::Replaying,
+        3 => ListenerState::Failed,
         _ => ListenerState::Connecting,
     }
 }

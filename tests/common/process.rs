@@ -22,7 +22,31 @@ impl Binary {
     }
 
     pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Binary {
+        Binary::start_limited(args, env, None)
+    }
+
+    /// Starts the binary with its soft and hard `RLIMIT_NOFILE` set to
+    /// `nofile` (when given), so a test can reach the fd or socket limits.
+    #[allow(unsafe_code)]
+    pub fn start_limited(args: &[&str], env: &[(&str, &str)], nofile: Option<u64>) -> Binary {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvselect"));
+        if let Some(n) = nofile {
+            use std::os::unix::process::CommandExt as _;
+            // SAFETY: setrlimit is async-signal-safe; the closure touches
+            // nothing but its copied argument.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let lim = libc::rlimit {
+                        rlim_cur: n,
+                        rlim_max: n,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         cmd.args(["--port", "0"])
             .args(args)
             .env("RUST_LOG", "info")
@@ -103,6 +127,13 @@ impl Binary {
             std::thread::sleep(Duration::from_millis(10));
         }
         None
+    }
+
+    /// Open file descriptors of the process.
+    pub fn fd_count(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .expect("read /proc/PID/fd")
+            .count()
     }
 
     pub fn log_text(&self) -> String {
