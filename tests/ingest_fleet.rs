@@ -235,7 +235,7 @@ fn register_delete_cycles_leak_no_fd() {
             _ => format!("tcp://127.0.0.1:{}", 19300 + i % 50),
         };
         post(addr, "/workers", &worker(id, &kv));
-        if i % 3 == 0 {
+        if i.is_multiple_of(3) {
             send(
                 addr,
                 "PATCH",

@@ -31,7 +31,9 @@ impl Drop for Raw {
         // SAFETY: `self.0` came from zmq_ctx_new and every socket made from
         // it holds an `Arc<Raw>`, so none is open now; EINTR is retried.
         while unsafe { zmq_sys::zmq_ctx_term(self.0) } == -1 {
-            if zmq::Error::from_raw(unsafe { zmq_sys::zmq_errno() }) != zmq::Error::EINTR {
+            // SAFETY: zmq_errno reads this thread's errno; no arguments.
+            let errno = unsafe { zmq_sys::zmq_errno() };
+            if zmq::Error::from_raw(errno) != zmq::Error::EINTR {
                 break;
             }
         }
