@@ -115,7 +115,7 @@ impl NumberPath {
     pub fn choose(value: &str, avx2: bool, avx512: bool) -> Result<NumberPath, String> {
         let lacks = |name: &str| {
             Err(format!(
-                "--simd {name}: this CPU lacks the {name} features the token loop needs                  (available: {})",
+                "--simd {name}: this CPU lacks the {name} features the token loop needs (available: {})",
                 Self::names_for(avx2, avx512)
             ))
         };

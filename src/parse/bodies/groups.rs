@@ -462,7 +462,13 @@ pub(super) fn worker_rank(
             opt_u32(cur)
         }
     };
-    match struct_start(cur, &format!("struct {name}"))? {
+    // serde's `expecting` text, without formatting it on the happy path.
+    let expected = match name {
+        "WorkerWithDpRank" => "struct WorkerWithDpRank",
+        "WorkerAffinityTarget" => "struct WorkerAffinityTarget",
+        _ => "a struct",
+    };
+    match struct_start(cur, expected)? {
         Form::Map => {
             let mut wid = None;
             let mut rank = None;
