@@ -237,8 +237,9 @@ impl WorkerRecord {
         ep.filter(|e| !e.is_empty())
     }
 
-    /// §3.3 rules 1–6, in order; every failing reason is listed.
-    fn metadata_reasons(&self) -> Vec<String> {
+    /// §3.3 rules 1–6, in order; every failing reason is listed. Rule 4
+    /// applies only while the selection queue runs.
+    fn metadata_reasons(&self, queueing: bool) -> Vec<String> {
         let mut reasons = Vec::new();
         if self.endpoint.as_deref().unwrap_or("").is_empty() {
             reasons.push("endpoint is required".to_string());
@@ -248,6 +249,10 @@ impl WorkerRecord {
         }
         if self.data_parallel_size == Some(0) {
             reasons.push("data_parallel_size must be greater than 0".to_string());
+        }
+        if queueing && self.max_num_batched_tokens.is_none() {
+            reasons
+                .push("max_num_batched_tokens is required while queueing is enabled".to_string());
         }
         for r in self.ranks() {
             if self.kv_endpoint(r).is_none() {
@@ -274,10 +279,13 @@ pub struct Catalog {
     ledger: Arc<Ledger>,
     /// Accept `ipc://` KV-event and replay endpoints (`--allow-ipc-endpoints`).
     allow_ipc: bool,
+    /// The selection queue runs (`DYN_ROUTER_QUEUE_THRESHOLD`): workers need
+    /// `max_num_batched_tokens`.
+    queueing: bool,
 }
 
 impl Catalog {
-    pub fn new(hub: IngestHub, ledger: Arc<Ledger>, allow_ipc: bool) -> Catalog {
+    pub fn new(hub: IngestHub, ledger: Arc<Ledger>, allow_ipc: bool, queueing: bool) -> Catalog {
         Catalog {
             state: Mutex::new(State {
                 workers: BTreeMap::new(),
@@ -287,6 +295,7 @@ impl Catalog {
             hub,
             ledger,
             allow_ipc,
+            queueing,
         }
     }
 
@@ -427,7 +436,7 @@ impl Catalog {
     fn apply(&self, st: &mut State, mut record: WorkerRecord) -> WorkerRecord {
         let id = record.worker_id;
         let key = (record.model_name.clone(), record.routing_group.clone());
-        let mut reasons = record.metadata_reasons();
+        let mut reasons = record.metadata_reasons(self.queueing);
         if reasons.is_empty() {
             reasons.extend(self.reconcile(st, &record, &key));
         }

@@ -49,6 +49,12 @@ pub const DEFAULT_HTTP2_MAX_STREAMS: u32 = 128;
 /// On SIGTERM/SIGINT, in-flight requests get this long to finish before the
 /// process exits anyway. Below Kubernetes' default 30 s grace period.
 pub const DEFAULT_SHUTDOWN_TIMEOUT_SECS: f64 = 25.0;
+/// With `DYN_ROUTER_QUEUE_THRESHOLD`: the longest a selection waits for a
+/// worker with room before it is answered 429.
+pub const DEFAULT_QUEUE_MAX_WAIT_SECS: f64 = 30.0;
+/// With `DYN_ROUTER_QUEUE_THRESHOLD`: selections waiting at once, at most;
+/// one more is answered 429 at once.
+pub const DEFAULT_QUEUE_MAX_LEN: usize = 4096;
 
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -191,6 +197,31 @@ pub struct Cli {
     /// is a start-up error.
     #[arg(long, value_name = "auto|avx512|avx2|scalar")]
     pub simd: Option<String>,
+    /// With DYN_ROUTER_QUEUE_THRESHOLD set: the longest a selection waits
+    /// for a worker with room; 429 after.
+    #[arg(long, default_value_t = DEFAULT_QUEUE_MAX_WAIT_SECS)]
+    pub router_queue_max_wait_secs: f64,
+    /// With DYN_ROUTER_QUEUE_THRESHOLD set: selections waiting at once, at
+    /// most; more are answered 429 at once.
+    #[arg(long, default_value_t = DEFAULT_QUEUE_MAX_LEN)]
+    pub router_queue_max_len: usize,
+}
+
+/// The selection queue's bounds (it runs only with
+/// `DYN_ROUTER_QUEUE_THRESHOLD`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QueueLimits {
+    pub max_wait: Duration,
+    pub max_len: usize,
+}
+
+impl Default for QueueLimits {
+    fn default() -> Self {
+        QueueLimits {
+            max_wait: Duration::from_secs_f64(DEFAULT_QUEUE_MAX_WAIT_SECS),
+            max_len: DEFAULT_QUEUE_MAX_LEN,
+        }
+    }
 }
 
 /// Connection and request bounds of the HTTP front door.
@@ -238,6 +269,10 @@ pub struct RouterConfig {
     pub track_prefill_tokens: bool,
     pub track_output_blocks: bool,
     pub assume_kv_reuse: bool,
+    /// `DYN_ROUTER_QUEUE_THRESHOLD`: when set, a selection waits while every
+    /// candidate's active prefill tokens exceed this share of its
+    /// `max_num_batched_tokens` (see `app/admission.rs`).
+    pub queue_threshold: Option<f64>,
 }
 
 impl Default for RouterConfig {
@@ -253,6 +288,7 @@ impl Default for RouterConfig {
             track_prefill_tokens: true,
             track_output_blocks: false,
             assume_kv_reuse: true,
+            queue_threshold: None,
         }
     }
 }
@@ -322,6 +358,7 @@ impl RouterConfig {
         if let Some(v) = flag("DYN_ROUTER_ASSUME_KV_REUSE")? {
             c.assume_kv_reuse = v;
         }
+        c.queue_threshold = num("DYN_ROUTER_QUEUE_THRESHOLD")?;
         Ok(c)
     }
 }
@@ -362,6 +399,7 @@ pub struct Config {
     pub number_path: crate::parse::NumberPath,
     /// Workers may register `ipc://` KV-event and replay endpoints.
     pub allow_ipc_endpoints: bool,
+    pub queue: QueueLimits,
 }
 
 impl Default for Config {
@@ -393,6 +431,7 @@ impl Default for Config {
             log_format: LogFormat::Text,
             number_path: crate::parse::NumberPath::Auto,
             allow_ipc_endpoints: false,
+            queue: QueueLimits::default(),
         }
     }
 }
@@ -553,6 +592,13 @@ impl Config {
             .or_else(|| env("KVSELECT_SIMD"))
             .unwrap_or_else(|| "auto".into());
         let number_path = crate::parse::NumberPath::choose_here(&simd)?;
+        if cli.router_queue_max_len == 0 {
+            return Err("--router-queue-max-len must be at least 1".into());
+        }
+        let queue = QueueLimits {
+            max_wait: positive("router-queue-max-wait-secs", cli.router_queue_max_wait_secs)?,
+            max_len: cli.router_queue_max_len,
+        };
         Ok(Config {
             addr: SocketAddr::new(cli.host, cli.port),
             threads,
@@ -577,6 +623,7 @@ impl Config {
             replica_sync_peers: cli.replica_sync_peers,
             session_affinity_ttl,
             number_path,
+            queue,
             ..Config::default()
         })
     }
@@ -639,6 +686,11 @@ impl Config {
                 format!("{:?}", self.log_format).to_ascii_lowercase(),
             ),
             ("simd", self.number_path.effective_name().to_string()),
+            (
+                "router_queue_max_wait",
+                format!("{:?}", self.queue.max_wait),
+            ),
+            ("router_queue_max_len", self.queue.max_len.to_string()),
         ];
         for name in DYN_ENV_VARS {
             if let Some(v) = env(name) {
@@ -662,6 +714,7 @@ pub const DYN_ENV_VARS: &[&str] = &[
     "DYN_ROUTER_TRACK_OUTPUT_BLOCKS",
     "DYN_ROUTER_ASSUME_KV_REUSE",
     "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS",
+    "DYN_ROUTER_QUEUE_THRESHOLD",
 ];
 
 #[cfg(test)]

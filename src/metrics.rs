@@ -351,6 +351,41 @@ fn state_registry(app: &App) -> Registry {
         app.pending.bytes() as f64,
     );
 
+    if let Some(q) = &app.queue {
+        let st = q.stats();
+        gauge(
+            "kvselect_queue_waiting",
+            "Selections waiting in the queue (DYN_ROUTER_QUEUE_THRESHOLD) for a worker with room.",
+            st.waiting as f64,
+        );
+        registered(
+            &r,
+            IntCounter::new(
+                "kvselect_queue_admitted_after_wait_total",
+                "Selections admitted after waiting in the queue.",
+            )
+            .expect("valid"),
+        )
+        .inc_by(st.admitted_after_wait);
+        let rejected = registered(
+            &r,
+            IntCounterVec::new(
+                Opts::new(
+                    "kvselect_queue_rejected_total",
+                    "Selections answered 429 by the queue: full, or waited past its bound (timeout).",
+                ),
+                &["reason"],
+            )
+            .expect("valid"),
+        );
+        rejected
+            .with_label_values(&["full"])
+            .inc_by(st.rejected_full);
+        rejected
+            .with_label_values(&["timeout"])
+            .inc_by(st.rejected_timeout);
+    }
+
     let stats = app.catalog.hub().stats();
     let c = stats.counters;
     let a = c.apply;

@@ -513,6 +513,42 @@ fn openapi_lists_exactly_the_routes_and_statuses_the_server_has() {
     assert_eq!(a.send(&op("/workers", "GET"), "", None, None).status, 200);
     let _ = std::fs::remove_dir_all(&dir);
 
+    // 429 comes from the selection queue: a server with
+    // DYN_ROUTER_QUEUE_THRESHOLD, its only worker busy, a 50 ms wait bound.
+    let mut config = test_config();
+    config.router.queue_threshold = Some(1.0);
+    config.queue.max_wait = Duration::from_millis(50);
+    let (_rt3, queued) = server(config);
+    let mut q = Client {
+        addr: queued.addr,
+        doc: &doc,
+        seen: BTreeMap::new(),
+        auth: None,
+    };
+    let mut busy = body_seed.clone();
+    busy["max_num_batched_tokens"] = json!(16);
+    assert_eq!(q.json(&workers, "", &busy).status, 201);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        q.json(
+            &sr,
+            "",
+            &json!({"model_name": "m", "selection_id": "big", "token_ids": vec![1; 64]})
+        )
+        .status,
+        200
+    );
+    for p in ["/select", "/select_and_reserve"] {
+        let o = op(p, "POST");
+        assert_eq!(
+            q.json(&o, "", &json!({"model_name": "m", "token_ids": [1, 2]}))
+                .status,
+            429,
+            "{p}"
+        );
+        c.seen.entry(o).or_default().insert(429);
+    }
+
     // Every documented status was produced.
     for (o, documented) in &doc.ops {
         let seen = c.seen.get(o).cloned().unwrap_or_default();

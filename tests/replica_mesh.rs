@@ -239,6 +239,61 @@ async fn a_late_replica_catches_up_on_live_bookings() {
     assert!(converge(&[&a, &c], Duration::from_secs(1)).await.is_some());
 }
 
+/// Session bindings ride the repair snapshot: a replica that starts after
+/// a session was bound sends that session to the same worker, although the
+/// binding message went out before it existed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_replica_learns_the_session_bindings() {
+    let a = replica(mesh_config(0.0)).await;
+    let first = a
+        .post(
+            "/select_and_reserve",
+            &json!({"model_name": "m", "session_id": "L", "token_ids": tokens(1, 64)}),
+        )
+        .await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let w = first.json()["worker_id"].clone();
+    // More load on w, so that without the binding a new prompt goes elsewhere.
+    for i in 0..3 {
+        let r = a
+            .post(
+                "/select_and_reserve",
+                &json!({"model_name": "m", "pinned_worker": {"worker_id": w, "dp_rank": 0}, "token_ids": tokens(5000 + 100 * i, 5064 + 100 * i)}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+
+    let c = replica(Config {
+        replica_sync_peers: vec![pub_endpoint(&a)],
+        ..mesh_config(0.0)
+    })
+    .await;
+    assert!(converge(&[&a, &c], Duration::from_secs(2)).await.is_some());
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            c.metric("kvselect_session_bindings").await == 1
+        })
+        .await
+    );
+    let unrelated = c
+        .post(
+            "/select",
+            &json!({"model_name": "m", "token_ids": [7, 8, 9]}),
+        )
+        .await
+        .json();
+    assert_ne!(unrelated["worker_id"], w, "w carries the load on C too");
+    let bound = c
+        .post(
+            "/select",
+            &json!({"model_name": "m", "session_id": "L", "token_ids": [7, 8, 9]}),
+        )
+        .await
+        .json();
+    assert_eq!(bound["worker_id"], w);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_replicas_bookings_expire_with_its_lease() {
     let cfg = || Config {
@@ -609,6 +664,69 @@ async fn sessions_stick_to_their_booked_worker_and_travel_the_mesh() {
         )
         .await;
     assert_eq!(r.json()["worker_id"], w2);
+}
+
+/// `/select` with a session and a selection id, then the replay: the
+/// booking binds the session, as Dynamo's does, and the binding travels.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_reservation_binds_its_session() {
+    let a = replica(mesh_config(0.0)).await;
+    let b = replica(mesh_config(0.0)).await;
+    full_mesh(&[&a, &b]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let sel = a
+        .post(
+            "/select",
+            &json!({"model_name": "m", "session_id": "R", "selection_id": "x1", "token_ids": tokens(1, 64)}),
+        )
+        .await
+        .json();
+    let w = sel["worker_id"].clone();
+    assert_eq!(
+        a.metric("kvselect_session_bindings").await,
+        0,
+        "a select binds nothing"
+    );
+    let r = a
+        .post(
+            "/reservations",
+            &json!({"model_name": "m", "selection_id": "x1"}),
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(r.json()["worker_id"], w);
+    // Load w so that an unbound request goes elsewhere.
+    for i in 0..3 {
+        let r = a
+            .post(
+                "/select_and_reserve",
+                &json!({"model_name": "m", "pinned_worker": {"worker_id": w, "dp_rank": 0}, "token_ids": tokens(5000 + 100 * i, 5064 + 100 * i)}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    for s in [&a, &b] {
+        assert!(
+            eventually(Duration::from_secs(2), || async {
+                s.post(
+                    "/select",
+                    &json!({"model_name": "m", "session_id": "R", "token_ids": [7, 8, 9]}),
+                )
+                .await
+                .json()["worker_id"]
+                    == w
+            })
+            .await
+        );
+        let other = s
+            .post(
+                "/select",
+                &json!({"model_name": "m", "token_ids": [7, 8, 9]}),
+            )
+            .await
+            .json();
+        assert_ne!(other["worker_id"], w);
+    }
 }
 
 #[tokio::test]

@@ -41,6 +41,7 @@ pub fn to_py(e: ServiceError) -> PyErr {
         ServiceError::AlreadyReserved(_) | ServiceError::ReplicaSyncDisabled => {
             service_error("conflict", 409, message)
         }
+        ServiceError::Busy(_) => service_error("scheduler", 429, message),
     }
 }
 

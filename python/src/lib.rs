@@ -27,7 +27,7 @@ use errors::{shutting_down, to_py};
 use kvselect::app::{App, Selection};
 use kvselect::config::{Config, RouterConfig};
 use kvselect::parse::SelectKind;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyTuple};
@@ -169,6 +169,8 @@ impl SelectionService {
         booking_expiry_secs = None,
         max_tokens = None,
         replica_sync_host = "127.0.0.1",
+        allow_ipc_endpoints = false,
+        simd = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -182,6 +184,8 @@ impl SelectionService {
         booking_expiry_secs: Option<f64>,
         max_tokens: Option<usize>,
         replica_sync_host: &str,
+        allow_ipc_endpoints: bool,
+        simd: Option<String>,
     ) -> PyResult<Self> {
         if let Some(t) = session_affinity_ttl_secs {
             if !(1.0..=31_536_000.0).contains(&t) {
@@ -210,6 +214,13 @@ impl SelectionService {
                 "replica_sync_host `{replica_sync_host}` is not an IP address"
             ))
         })?;
+        // The token loop: the keyword, else KVSELECT_SIMD, else the best
+        // this CPU has (as the server's --simd).
+        let simd = simd
+            .or_else(|| std::env::var("KVSELECT_SIMD").ok())
+            .unwrap_or_else(|| "auto".to_string());
+        let number_path = kvselect::parse::NumberPath::choose_here(&simd)
+            .map_err(|e| PyValueError::new_err(e.replacen("--simd", "simd", 1)))?;
         let mut config = Config {
             // The mesh's PUB binds on the address's IP; there is no HTTP
             // listener in the embedded form.
@@ -220,6 +231,8 @@ impl SelectionService {
             replica_sync_port,
             replica_sync_peers,
             session_affinity_ttl: session_affinity_ttl_secs.map(Duration::from_secs_f64),
+            allow_ipc_endpoints,
+            number_path,
             ..Config::default()
         };
         if let Some(c) = selection_cache.map(|c| c.get().clone()) {
@@ -473,14 +486,62 @@ impl SelectionService {
         kind: SelectKind,
     ) -> PyResult<Bound<'py, PyAny>> {
         let req = extract::select_request(&self.app.parser, request, kind)?;
-        let r = match self.check_open() {
-            Err(e) => Err(e),
-            Ok(()) => py
-                .detach(|| self.app.select(&req, kind))
-                .map_err(to_py)
-                .and_then(|sel| selection_object(py, &sel)),
-        };
-        resolved(py, r)
+        if let Err(e) = self.check_open() {
+            return resolved(py, Err(e));
+        }
+        if let Some(r) = py.detach(|| self.app.select_if_admitted(&req, kind)) {
+            return resolved(
+                py,
+                r.map_err(to_py).and_then(|sel| selection_object(py, &sel)),
+            );
+        }
+        // Queued (DYN_ROUTER_QUEUE_THRESHOLD): wait on a thread of its own
+        // and settle the future on its loop; a cancelled future leaves the
+        // queue unbooked.
+        let event_loop = running_loop(py)?;
+        let fut = event_loop.call_method0("create_future")?;
+        let (app, event_loop, pending) = (
+            Arc::clone(&self.app),
+            event_loop.unbind(),
+            fut.clone().unbind(),
+        );
+        std::thread::Builder::new()
+            .name("kvselect-queued".into())
+            .spawn(move || {
+                let wanted = || {
+                    Python::attach(|py| {
+                        !pending
+                            .bind(py)
+                            .call_method0("done")
+                            .and_then(|d| d.is_truthy())
+                            .unwrap_or(true)
+                    })
+                };
+                let Some(r) = app.select_blocking(&req, kind, wanted) else {
+                    return;
+                };
+                Python::attach(|py| {
+                    let (ok, value) = match r.map_err(to_py).and_then(|s| selection_object(py, &s))
+                    {
+                        Ok(v) => (true, v.unbind()),
+                        Err(e) => (false, e.into_value(py).into_any()),
+                    };
+                    let settle = wrap_pyfunction!(settle, py);
+                    let sent = settle.and_then(|f| {
+                        event_loop.call_method1(
+                            py,
+                            "call_soon_threadsafe",
+                            (f, &pending, ok, value),
+                        )
+                    });
+                    if let Err(e) = sent {
+                        // The loop is closed: nobody awaits the answer.
+                        tracing::debug!(error = %e, "queued selection: loop gone");
+                    }
+                });
+            })
+            .map_err(|e| PyRuntimeError::new_err(format!("cannot start a queue waiter: {e}")))?;
+        Ok(fut)
     }
 }
 
@@ -526,6 +587,18 @@ fn recover(app: &App, peers: &[String]) {
             Err(e) => tracing::warn!(%peer, error = %e, "index recovery from peer failed"),
         }
     }
+}
+
+/// Settles a queued selection's future on its loop, unless it was
+/// cancelled meanwhile.
+#[pyfunction]
+fn settle(fut: &Bound<'_, PyAny>, ok: bool, value: &Bound<'_, PyAny>) -> PyResult<()> {
+    if fut.call_method0("done")?.is_truthy()? {
+        return Ok(());
+    }
+    let method = if ok { "set_result" } else { "set_exception" };
+    fut.call_method1(method, (value,))?;
+    Ok(())
 }
 
 #[pymodule]

@@ -3,6 +3,10 @@ two in-process services."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -107,3 +111,87 @@ def test_shutdown_closes_the_mesh_socket(impl):
     again.shutdown()
     with pytest.raises(ValueError, match="replica_sync_host"):
         impl.SelectionService(replica_sync_port=0, replica_sync_host="not-an-ip")
+
+
+@pytest.mark.kvselect_only
+@async_test
+async def test_ipc_endpoints_need_the_keyword(impl):
+    ipc = "ipc:///tmp/kvselect-pytest-ipc.sock"
+    async with service(impl) as svc:
+        rec = await svc.upsert_worker(worker(1, endpoint=ipc))
+        assert rec["lifecycle"] == "incomplete"
+        assert any("ipc endpoints are refused" in r for r in rec["not_schedulable_reasons"]), rec
+        rec = await svc.upsert_worker(worker(2, endpoint="inproc://x"))
+        assert rec["lifecycle"] == "incomplete"
+    async with service(impl, allow_ipc_endpoints=True) as svc:
+        rec = await svc.upsert_worker(worker(1, endpoint=ipc))
+        assert rec["lifecycle"] == "schedulable", rec
+        rec = await svc.upsert_worker(worker(2, endpoint="inproc://x"))
+        assert rec["lifecycle"] == "incomplete"
+
+
+@pytest.mark.kvselect_only
+@async_test
+async def test_simd_keyword_and_environment(impl):
+    with pytest.raises(ValueError, match="is not one of auto, avx512, avx2, scalar"):
+        impl.SelectionService(simd="sse9")
+    # every path gives the same answer; the scalar one exists on every CPU
+    for path in ("scalar", "auto"):
+        async with service(impl, simd=path) as svc:
+            await svc.upsert_worker(worker(1))
+            await wait_loaded(svc, 1)
+            r = await svc.select({"token_ids": list(range(1, 65))})
+            assert r["worker_id"] == 1
+            with pytest.raises(ValueError, match="invalid value: integer `-1`"):
+                await svc.select({"token_ids": [1, 2, -1]})
+    # KVSELECT_SIMD is read when the keyword is absent
+    code = ("import kvselect\n"
+            "try:\n    kvselect.SelectionService(indexer_threads=1)\nexcept ValueError as e:\n    print(e)\n")
+    env = dict(os.environ, KVSELECT_SIMD="bogus")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "`bogus` is not one of" in out.stdout, (out.stdout, out.stderr)
+
+
+@pytest.mark.kvselect_only
+@async_test
+async def test_queue_threshold_waits_without_blocking_the_loop(impl, monkeypatch):
+    """DYN_ROUTER_QUEUE_THRESHOLD: a select whose workers are all busy waits
+    (the event loop keeps running), a free admits it, a cancelled one leaves
+    the queue unbooked."""
+    monkeypatch.setenv("DYN_ROUTER_QUEUE_THRESHOLD", "1.0")
+    async with service(impl) as svc:
+        rec = await svc.upsert_worker(worker(1))
+        assert rec["not_schedulable_reasons"] == ["max_num_batched_tokens is required while queueing is enabled"]
+        await svc.upsert_worker(worker(1, max_num_batched_tokens=100))
+        await wait_loaded(svc, 1)
+        await svc.select_and_reserve({"token_ids": _prompt(1)[:64] * 4, "selection_id": "big"})  # 256 > 100: busy
+
+        def pending():
+            return svc.loads()[0]["pending_count"]
+
+        waiting = asyncio.ensure_future(svc.select_and_reserve({"token_ids": _prompt(2), "selection_id": "w"}))
+        assert await wait_for(lambda: pending() == 1)
+        ticks = 0
+        for _ in range(10):  # the loop is not blocked while it waits
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert ticks == 10 and not waiting.done()
+        await svc.free_reservation("big")
+        r = await asyncio.wait_for(waiting, 5)
+        assert r["worker_id"] == 1 and r["selection_id"] == "w"
+        assert pending() == 0
+
+        # a cancelled waiter leaves the queue and books nothing
+        await svc.select_and_reserve({"token_ids": _prompt(3)[:64] * 4, "selection_id": "big2"})
+        gone = asyncio.ensure_future(svc.select_and_reserve({"token_ids": _prompt(4), "selection_id": "gone"}))
+        assert await wait_for(lambda: pending() == 1)
+        gone.cancel()
+        assert await wait_for(lambda: pending() == 0)
+        await svc.free_reservation("big2")
+        await asyncio.sleep(0.1)
+        with pytest.raises(impl.SelectionServiceError):
+            await svc.free_reservation("gone")
+        # advisory selects never wait
+        await svc.select_and_reserve({"token_ids": _prompt(5)[:64] * 4, "selection_id": "big3"})
+        r = await asyncio.wait_for(svc.select({"token_ids": _prompt(6), "advisory": True}), 2)
+        assert r["worker_load"]["active_prefill_tokens"] > 100

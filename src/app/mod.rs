@@ -18,6 +18,7 @@
 //! both as the index lookup keys and, in the default tracking mode, as the
 //! booking identities, so a token prompt is hashed exactly once.
 
+pub mod admission;
 mod prompt;
 mod reports;
 mod reservations;
@@ -65,6 +66,10 @@ pub enum ServiceError {
     AlreadyReserved(String),
     /// A replica-sync call on a service that runs no replica mesh.
     ReplicaSyncDisabled,
+    /// The selection queue (`DYN_ROUTER_QUEUE_THRESHOLD`) did not admit the
+    /// request: every candidate stayed busy past the wait bound, or the
+    /// queue was full (429).
+    Busy(String),
 }
 
 impl From<ParseError> for ServiceError {
@@ -82,7 +87,8 @@ impl std::fmt::Display for ServiceError {
             | ServiceError::UnknownWorker(m)
             | ServiceError::UnknownRank(m)
             | ServiceError::UnknownSelection(m)
-            | ServiceError::AlreadyReserved(m) => f.write_str(m),
+            | ServiceError::AlreadyReserved(m)
+            | ServiceError::Busy(m) => f.write_str(m),
             ServiceError::NoCandidates => f.write_str("no endpoints available to route work"),
             ServiceError::ReplicaSyncDisabled => f.write_str("replica sync is disabled"),
         }
@@ -109,6 +115,8 @@ pub struct App {
     pub pending: PendingCache,
     /// Session bindings, with `--session-affinity-ttl-secs`.
     pub affinity: Option<Affinity>,
+    /// The selection queue, with `DYN_ROUTER_QUEUE_THRESHOLD`.
+    pub queue: Option<admission::Queue>,
     /// The replica mesh, once [`App::start_mesh`] started it.
     mesh: OnceLock<Arc<Mesh>>,
     shutting_down: AtomicBool,
@@ -144,10 +152,19 @@ impl App {
                 config.selection_cache_max_entries,
                 config.selection_cache_max_bytes,
             ),
-            catalog: Catalog::new(hub, Arc::clone(&ledger), config.allow_ipc_endpoints),
+            catalog: Catalog::new(
+                hub,
+                Arc::clone(&ledger),
+                config.allow_ipc_endpoints,
+                config.router.queue_threshold.is_some(),
+            ),
             ledger,
             parser,
             affinity: config.session_affinity_ttl.map(Affinity::new),
+            queue: config
+                .router
+                .queue_threshold
+                .map(|_| admission::Queue::new(config.queue)),
             mesh: OnceLock::new(),
             config,
             shutting_down: AtomicBool::new(false),
@@ -175,7 +192,9 @@ impl App {
     }
 
     pub fn upsert_worker(&self, fields: WorkerFields) -> WorkerRecord {
-        self.catalog.upsert(fields)
+        let r = self.catalog.upsert(fields);
+        self.room_made();
+        r
     }
 
     pub fn patch_worker(
@@ -183,15 +202,21 @@ impl App {
         worker_id: u64,
         fields: WorkerFields,
     ) -> ServiceResult<WorkerRecord> {
-        self.catalog
+        let r = self
+            .catalog
             .patch(worker_id, fields)
-            .ok_or_else(|| worker_not_found(worker_id))
+            .ok_or_else(|| worker_not_found(worker_id));
+        self.room_made();
+        r
     }
 
     pub fn delete_worker(&self, worker_id: u64) -> ServiceResult<WorkerRecord> {
-        self.catalog
+        let r = self
+            .catalog
             .delete(worker_id)
-            .ok_or_else(|| worker_not_found(worker_id))
+            .ok_or_else(|| worker_not_found(worker_id));
+        self.room_made();
+        r
     }
 
     pub fn list_workers(&self, model: Option<&str>, group: Option<&str>) -> Vec<WorkerRecord> {
@@ -261,7 +286,7 @@ impl App {
     /// repairs.
     pub fn replica_bookings(&self) -> ServiceResult<BookingsSnapshot> {
         let m = self.mesh().ok_or(ServiceError::ReplicaSyncDisabled)?;
-        Ok(m.snapshot(&self.ledger))
+        Ok(m.snapshot(&self.ledger, self.affinity.as_ref()))
     }
 
     /// Books through the mesh (which publishes) when it runs.
@@ -273,16 +298,27 @@ impl App {
     }
 
     fn ledger_prefill_complete(&self, id: &str) -> Result<(), ReserveError> {
-        match self.mesh() {
+        let r = match self.mesh() {
             Some(m) => m.prefill_local(&self.ledger, id),
             None => self.ledger.prefill_complete(id),
-        }
+        };
+        self.room_made();
+        r
     }
 
     fn ledger_free(&self, id: &str) -> Result<(), ReserveError> {
-        match self.mesh() {
+        let r = match self.mesh() {
             Some(m) => m.free_local(&self.ledger, id),
             None => self.ledger.free(id).map(drop),
+        };
+        self.room_made();
+        r
+    }
+
+    /// Wakes queued selections: a worker may have room now.
+    fn room_made(&self) {
+        if let Some(q) = &self.queue {
+            q.released();
         }
     }
 
@@ -315,7 +351,11 @@ impl App {
         if let Some(a) = &self.affinity {
             a.sweep(now);
         }
-        self.ledger.sweep_expired(now)
+        let n = self.ledger.sweep_expired(now);
+        if n > 0 {
+            self.room_made();
+        }
+        n
     }
 }
 

@@ -85,6 +85,8 @@ impl App {
             let wrs: Vec<WorkerRank> = view.ranks.iter().map(|r| r.wr).collect();
             let mut loads = Vec::with_capacity(wrs.len());
             self.ledger.loads(&wrs, &mut loads);
+            let (pending_count, pending_isl_tokens) =
+                self.queue.as_ref().map_or((0, 0), |q| q.pending(m, g));
             out.push(PartitionLoads {
                 model_name: m.clone(),
                 routing_group: g.clone(),
@@ -93,8 +95,8 @@ impl App {
                     .zip(&loads)
                     .map(|(wr, l)| LoadRow::new(*wr, l, 0, 0))
                     .collect(),
-                pending_count: 0,
-                pending_isl_tokens: 0,
+                pending_count,
+                pending_isl_tokens,
             });
         }
         out

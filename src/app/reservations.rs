@@ -89,6 +89,11 @@ impl App {
                     },
                 )
                 .map_err(|e| reserve_error(e, id))?;
+                // The reference binds the selection's session on replay
+                // (observed: a later select of the session follows it).
+                if let Some(session) = &sel.session_id {
+                    self.bind_session(&key.model_name, &key.routing_group, session, sel.wr);
+                }
                 Ok((sel.wr, rank.endpoint.to_string()))
             });
         match claimed {

@@ -2,6 +2,7 @@
 //! the index once, read the loads, cost every candidate (`select`), choose,
 //! then remember the choice (a pending selection) or book it.
 
+use super::admission;
 use super::prompt::{random_identities, Normalized, Target};
 use super::{App, ServiceError};
 use crate::catalog::{PartitionView, RankInfo};
@@ -85,10 +86,160 @@ struct Choice {
 }
 
 impl App {
+    /// A selection without the queue: busy workers are chosen like any other.
     pub fn select(
         &self,
         req: &SelectRequest<'_>,
         kind: SelectKind,
+    ) -> Result<Selection, ServiceError> {
+        self.select_once(req, kind, false)
+    }
+
+    /// A selection through the queue, when `DYN_ROUTER_QUEUE_THRESHOLD` runs
+    /// one: waits (without blocking the thread) while every candidate is
+    /// busy, up to `--router-queue-max-wait-secs`. Dropping the future leaves
+    /// the queue.
+    pub async fn select_queued(
+        &self,
+        req: &SelectRequest<'_>,
+        kind: SelectKind,
+    ) -> Result<Selection, ServiceError> {
+        let Some(q) = self.queue_for(req) else {
+            return self.select(req, kind);
+        };
+        let (model, group) = partition_of(req);
+        let deadline = tokio::time::Instant::now() + q.limits.max_wait;
+        let mut ticket = None;
+        loop {
+            let notified = q.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(r) = self.admit_step(q, req, kind, model, group, &mut ticket) {
+                return r;
+            }
+            tokio::select! {
+                _ = notified => {}
+                _ = tokio::time::sleep(admission::RECHECK) => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    q.timed_out();
+                    return Err(waited_too_long(q));
+                }
+            }
+        }
+    }
+
+    /// As [`App::select_queued`], blocking the calling thread while it waits
+    /// (for callers with a thread of their own, such as the Python binding).
+    /// `wanted` is asked at each wake-up; once it says no, the request leaves
+    /// the queue unbooked (`None`).
+    pub fn select_blocking(
+        &self,
+        req: &SelectRequest<'_>,
+        kind: SelectKind,
+        wanted: impl Fn() -> bool,
+    ) -> Option<Result<Selection, ServiceError>> {
+        let Some(q) = self.queue_for(req) else {
+            return Some(self.select(req, kind));
+        };
+        let (model, group) = partition_of(req);
+        let deadline = Instant::now() + q.limits.max_wait;
+        let mut ticket = None;
+        loop {
+            let seen = q.generation();
+            if let Some(r) = self.admit_step(q, req, kind, model, group, &mut ticket) {
+                return Some(r);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                q.timed_out();
+                return Some(Err(waited_too_long(q)));
+            }
+            q.wait_blocking(seen, admission::RECHECK.min(deadline - now));
+            if !wanted() {
+                return None;
+            }
+        }
+    }
+
+    /// The answer when it needs no wait: `None` when the request would
+    /// queue (every candidate busy, or others already waiting).
+    pub fn select_if_admitted(
+        &self,
+        req: &SelectRequest<'_>,
+        kind: SelectKind,
+    ) -> Option<Result<Selection, ServiceError>> {
+        let Some(q) = self.queue_for(req) else {
+            return Some(self.select(req, kind));
+        };
+        let (model, group) = partition_of(req);
+        if q.has_waiting(model, group) {
+            return None;
+        }
+        match self.select_once(req, kind, true) {
+            Err(ServiceError::Busy(_)) => None,
+            r => Some(r),
+        }
+    }
+
+    /// The queue, if this request goes through one (advisory selects never
+    /// wait).
+    fn queue_for(&self, req: &SelectRequest<'_>) -> Option<&admission::Queue> {
+        self.queue.as_ref().filter(|_| req.advisory != Some(true))
+    }
+
+    /// One look at the queue: the answer once the request is first in line
+    /// (or the line is empty) and a candidate has room; otherwise it joins
+    /// the line (or is refused when the line is full) and `None` says wait.
+    fn admit_step<'q>(
+        &self,
+        q: &'q admission::Queue,
+        req: &SelectRequest<'_>,
+        kind: SelectKind,
+        model: &str,
+        group: &str,
+        ticket: &mut Option<admission::Ticket<'q>>,
+    ) -> Option<Result<Selection, ServiceError>> {
+        let my_turn = match ticket {
+            None => !q.has_waiting(model, group),
+            Some(t) => t.is_first(),
+        };
+        if my_turn {
+            match self.select_once(req, kind, true) {
+                Err(ServiceError::Busy(_)) => {}
+                r => {
+                    if let Some(t) = ticket.take() {
+                        t.admitted();
+                    }
+                    return Some(r);
+                }
+            }
+        }
+        if ticket.is_none() {
+            let isl = prompt_tokens(req);
+            match q.enqueue(
+                model,
+                group,
+                req.strict_priority.unwrap_or(0),
+                req.priority_jump.unwrap_or(0.0),
+                isl,
+            ) {
+                Ok(t) => *ticket = Some(t),
+                Err(_) => {
+                    return Some(Err(ServiceError::Busy(format!(
+                        "every worker is busy and the selection queue is full ({} waiting)",
+                        q.limits.max_len
+                    ))))
+                }
+            }
+        }
+        None
+    }
+
+    fn select_once(
+        &self,
+        req: &SelectRequest<'_>,
+        kind: SelectKind,
+        check_busy: bool,
     ) -> Result<Selection, ServiceError> {
         let Target {
             model,
@@ -101,7 +252,7 @@ impl App {
             req.router_config_override.as_ref(),
         )?;
         let prompt = self.normalize(&req.prompt, &view, &cfg, true)?;
-        let choice = self.choose(req, &model, &group, &view, &cfg, &prompt)?;
+        let choice = self.choose(req, &model, &group, &view, &cfg, &prompt, check_busy)?;
         let bs = view.partition.block_size;
 
         let mut identities = prompt.identities;
@@ -167,6 +318,11 @@ impl App {
                     expected_output_tokens: req.expected_output_tokens,
                     track_prefill_tokens: track,
                     lora_name: req.prompt.lora_name.as_deref().map(str::to_string),
+                    // Its replay binds the session, as a booking would.
+                    session_id: match (&self.affinity, req.pinned_worker) {
+                        (Some(_), None) => session_of(req).map(str::to_string),
+                        _ => None,
+                    },
                 },
                 Instant::now(),
             );
@@ -219,6 +375,7 @@ impl App {
         view: &PartitionView,
         cfg: &RouterConfig,
         prompt: &Normalized,
+        check_busy: bool,
     ) -> Result<Choice, ServiceError> {
         let constraints = req.routing_constraints.as_ref();
         let mut candidates: Vec<&RankInfo> = view
@@ -243,6 +400,20 @@ impl App {
             .collect();
         if candidates.is_empty() {
             return Err(ServiceError::NoCandidates);
+        }
+        // The queue's test (admission.rs): busy when the active prefill
+        // exceeds threshold x max_num_batched_tokens; all busy, wait. An
+        // admitted request goes to a candidate with room.
+        if let (true, Some(t)) = (check_busy, cfg.queue_threshold) {
+            candidates.retain(|r| {
+                let cap = r.max_num_batched_tokens.unwrap_or(u64::MAX) as f64;
+                self.ledger.rank_load(r.wr).prefill_tokens as f64 <= t * cap
+            });
+            if candidates.is_empty() {
+                return Err(ServiceError::Busy(
+                    "every candidate worker is busy".to_string(),
+                ));
+            }
         }
         // Steering (§7.6): a bound session goes to its target, else an
         // `affinity_target`, while that target is a candidate; otherwise
@@ -322,6 +493,38 @@ impl App {
             hits,
         })
     }
+}
+
+/// The request's partition, defaults applied.
+fn partition_of<'r>(req: &'r SelectRequest<'_>) -> (&'r str, &'r str) {
+    (
+        req.model_name
+            .as_deref()
+            .unwrap_or(crate::catalog::DEFAULT_MODEL),
+        req.routing_group
+            .as_deref()
+            .unwrap_or(crate::catalog::DEFAULT_ROUTING_GROUP),
+    )
+}
+
+/// The prompt's length in tokens, for `/loads`' `pending_isl_tokens`.
+fn prompt_tokens(req: &SelectRequest<'_>) -> u64 {
+    let p = &req.prompt;
+    p.mm_routing_info
+        .as_ref()
+        .and_then(|m| m.routing_token_ids.as_ref())
+        .filter(|t| !t.is_empty())
+        .or(p.token_ids.as_ref())
+        .map(|t| t.len() as u64)
+        .or(p.isl_tokens)
+        .unwrap_or(0)
+}
+
+fn waited_too_long(q: &admission::Queue) -> ServiceError {
+    ServiceError::Busy(format!(
+        "every worker stayed busy for {} s (the selection queue's wait bound)",
+        q.limits.max_wait.as_secs_f64()
+    ))
 }
 
 /// The request's session: `session_context.session_id` wins over `session_id`.

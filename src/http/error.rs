@@ -67,6 +67,7 @@ impl HttpError {
                 | ServiceError::UnknownSelection(m) => (StatusCode::NOT_FOUND, m.clone()),
                 ServiceError::AlreadyReserved(m) => (StatusCode::CONFLICT, m.clone()),
                 ServiceError::ReplicaSyncDisabled => (StatusCode::CONFLICT, e.to_string()),
+                ServiceError::Busy(m) => (StatusCode::TOO_MANY_REQUESTS, m.clone()),
             },
             HttpError::UnsupportedMediaType => (
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,

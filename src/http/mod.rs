@@ -23,7 +23,7 @@
 pub mod error;
 pub mod limits;
 
-use crate::app::{App, Selection};
+use crate::app::{App, Selection, ServiceError};
 use crate::auth::{Auth, Verdict as AuthVerdict};
 use crate::metrics::{Metrics, Timeout};
 use crate::parse::{ParseError, SelectKind};
@@ -33,7 +33,8 @@ use error::{error_body, HttpError};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::header::{
-    HeaderValue, ALLOW, AUTHORIZATION, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, WWW_AUTHENTICATE,
+    HeaderValue, ALLOW, AUTHORIZATION, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER,
+    WWW_AUTHENTICATE,
 };
 use hyper::{Method, Request, Response, StatusCode, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -408,20 +409,16 @@ impl Server {
             ["select"] if post => {
                 let body = self.body(req).await?;
                 let kind = SelectKind::Select;
-                let sel = app.select(
-                    &self.parse("select", || app.parser.select(&body, kind))?,
-                    kind,
-                )?;
+                let req = self.parse("select", || app.parser.select(&body, kind))?;
+                let sel = app.select_queued(&req, kind).await?;
                 Ok((StatusCode::OK, selection_json(&sel)))
             }
             ["select"] => not_allowed("POST"),
             ["select_and_reserve"] if post => {
                 let body = self.body(req).await?;
                 let kind = SelectKind::SelectAndReserve;
-                let sel = app.select(
-                    &self.parse("select", || app.parser.select(&body, kind))?,
-                    kind,
-                )?;
+                let req = self.parse("select", || app.parser.select(&body, kind))?;
+                let sel = app.select_queued(&req, kind).await?;
                 Ok((StatusCode::OK, selection_json(&sel)))
             }
             ["select_and_reserve"] => not_allowed("POST"),
@@ -603,6 +600,11 @@ fn error_response(e: HttpError) -> Resp {
         HttpError::MethodNotAllowed { allow } => {
             r.headers_mut()
                 .insert(ALLOW, HeaderValue::from_static(allow));
+        }
+        HttpError::Service(ServiceError::Busy(_)) => {
+            // The queue's wait bound is the natural pause before a retry.
+            r.headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from_static("1"));
         }
         HttpError::Unauthorized { token_given } => {
             let challenge = if token_given {

@@ -30,6 +30,20 @@ pub struct Bind {
     pub sequence: u64,
 }
 
+/// A binding as a repair snapshot carries it (`GET /replica_sync/bookings`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ExportedBinding {
+    pub model_name: String,
+    pub routing_group: String,
+    pub session_id: String,
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    /// Its newest-wins order (wall-clock nanoseconds of the bind).
+    pub sequence: u64,
+    /// How long it has been idle on the replica that sent it.
+    pub idle_ms: u64,
+}
+
 pub struct Affinity {
     ttl: Duration,
     map: Mutex<HashMap<Key, Bound>>,
@@ -136,6 +150,62 @@ impl Affinity {
         }
     }
 
+    /// Every live binding with its idle time, for a repair snapshot.
+    pub fn export(&self, now: Instant) -> Vec<ExportedBinding> {
+        let m = self.map.lock();
+        m.iter()
+            .filter_map(|((model, group, session), b)| {
+                let idle = now.saturating_duration_since(b.last_used);
+                (idle < self.ttl).then(|| ExportedBinding {
+                    model_name: model.clone(),
+                    routing_group: group.clone(),
+                    session_id: session.clone(),
+                    worker_id: b.wr.worker_id,
+                    dp_rank: b.wr.dp_rank,
+                    sequence: b.sequence,
+                    idle_ms: idle.as_millis() as u64,
+                })
+            })
+            .collect()
+    }
+
+    /// A binding from a peer's snapshot: as [`Affinity::apply_remote`], with
+    /// the idle time the peer reported (so it does not outlive its TTL there
+    /// by being copied). Returns whether it was taken.
+    pub fn apply_exported(&self, b: &ExportedBinding, now: Instant) -> bool {
+        let idle = Duration::from_millis(b.idle_ms);
+        if idle >= self.ttl {
+            return false;
+        }
+        let last_used = now.checked_sub(idle).unwrap_or(now);
+        let wr = WorkerRank {
+            worker_id: b.worker_id,
+            dp_rank: b.dp_rank,
+        };
+        let mut m = self.map.lock();
+        let k = key(&b.model_name, &b.routing_group, &b.session_id);
+        match m.get_mut(&k) {
+            Some(cur) if cur.sequence >= b.sequence => false,
+            Some(cur) => {
+                cur.wr = wr;
+                cur.sequence = b.sequence;
+                cur.last_used = cur.last_used.max(last_used);
+                true
+            }
+            None => {
+                m.insert(
+                    k,
+                    Bound {
+                        wr,
+                        sequence: b.sequence,
+                        last_used,
+                    },
+                );
+                true
+            }
+        }
+    }
+
     /// Drops bindings idle past the TTL; returns how many.
     pub fn sweep(&self, now: Instant) -> usize {
         let mut m = self.map.lock();
@@ -194,6 +264,46 @@ mod tests {
         assert_eq!(a.lookup("m", "other", "s", t0), None);
         let b2 = a.bind("m", "g", "s", wr(2), t0).unwrap();
         assert!(b2.sequence > b.sequence);
+    }
+
+    #[test]
+    fn exported_bindings_keep_their_idle_time_and_order() {
+        let a = Affinity::new(Duration::from_secs(10));
+        let t0 = Instant::now();
+        a.bind("m", "g", "s", wr(1), t0).unwrap();
+        let later = t0 + Duration::from_secs(4);
+        let out = a.export(later);
+        assert_eq!(out.len(), 1);
+        assert_eq!((out[0].worker_id, out[0].idle_ms), (1, 4000));
+
+        let b = Affinity::new(Duration::from_secs(10));
+        assert!(b.apply_exported(&out[0], later));
+        assert!(
+            !b.apply_exported(&out[0], later),
+            "same sequence: no change"
+        );
+        // Idle 4 s on the sender: it idles out 6 s later here, not 10.
+        assert_eq!(
+            b.lookup("m", "g", "s", later + Duration::from_secs(5)),
+            Some(wr(1))
+        );
+        let c = Affinity::new(Duration::from_secs(10));
+        assert!(c.apply_exported(&out[0], later));
+        assert_eq!(
+            c.lookup("m", "g", "s", later + Duration::from_secs(7)),
+            None
+        );
+        // A newer local binding is kept.
+        let d = Affinity::new(Duration::from_secs(10));
+        d.bind("m", "g", "s", wr(2), later).unwrap();
+        assert!(!d.apply_exported(&out[0], later));
+        assert_eq!(d.lookup("m", "g", "s", later), Some(wr(2)));
+        // One idle past the TTL is not taken.
+        let stale = ExportedBinding {
+            idle_ms: 10_000,
+            ..out[0].clone()
+        };
+        assert!(!Affinity::new(Duration::from_secs(10)).apply_exported(&stale, later));
     }
 
     #[test]

@@ -10,8 +10,11 @@
 //! prefills the origin completed, and move the origin's last sequence to
 //! the snapshot's so older messages still in flight are skipped.
 //!
-//! Does not own: deciding when to repair (`replica.rs`). Session bindings
-//! are not part of the snapshot.
+//! The snapshot also carries every session binding the replica knows
+//! (with its idle time), so a late replica learns them and a lost binding
+//! message is repaired; newest wins, as for messages.
+//!
+//! Does not own: deciding when to repair (`replica.rs`).
 
 use super::{Held, Mesh};
 use crate::app::App;
@@ -34,6 +37,9 @@ pub struct BookingsSnapshot {
     /// The last sequence number this snapshot reflects.
     pub seq: u64,
     pub bookings: Vec<SnapshotBooking>,
+    /// Live session bindings (empty without session affinity).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sessions: Vec<super::affinity::ExportedBinding>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -59,7 +65,11 @@ pub struct SnapshotBooking {
 
 impl Mesh {
     /// This replica's live bookings and the sequence number they reflect.
-    pub fn snapshot(&self, ledger: &crate::reserve::Ledger) -> BookingsSnapshot {
+    pub fn snapshot(
+        &self,
+        ledger: &crate::reserve::Ledger,
+        affinity: Option<&super::affinity::Affinity>,
+    ) -> BookingsSnapshot {
         let guards: Vec<_> = self.shards.iter().map(|s| s.lock()).collect();
         let seq = self.out.lock().seq;
         let mut bookings = Vec::new();
@@ -93,11 +103,18 @@ impl Mesh {
             router_id: self.router_id,
             seq,
             bookings,
+            sessions: affinity.map_or_else(Vec::new, |a| a.export(Instant::now())),
         }
     }
 
     /// Replaces what is held for `origin` with `snap`; returns (freed, booked).
     fn apply_snapshot(&self, app: &App, origin: u64, snap: BookingsSnapshot) -> (usize, usize) {
+        if let Some(aff) = &app.affinity {
+            let now = Instant::now();
+            for b in &snap.sessions {
+                aff.apply_exported(b, now);
+            }
+        }
         let mut want: HashMap<String, SnapshotBooking> = snap
             .bookings
             .into_iter()

@@ -56,6 +56,8 @@ pub struct PendingSelection {
     pub expected_output_tokens: Option<u32>,
     pub track_prefill_tokens: bool,
     pub lora_name: Option<String>,
+    /// The session a replay binds (session affinity on, not pinned).
+    pub session_id: Option<String>,
 }
 
 /// Why a claim did not book.
@@ -322,6 +324,7 @@ mod tests {
             expected_output_tokens: Some(10),
             track_prefill_tokens: true,
             lora_name: None,
+            session_id: None,
         }
     }
 
