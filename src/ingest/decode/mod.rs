@@ -22,8 +22,13 @@
 //! event we cannot use (unknown `medium`, non-local `locality`, unknown type
 //! tag) is dropped on its own and counted in [`Dropped`].
 //!
+//! `extra_keys` and `block_mm_infos` are held to the grammar Dynamo 1.6.1
+//! accepts (a violation fails the batch there and here); only
+//! `block_mm_infos` reaches the hashes (`mm.rs` has the established facts).
+//!
 //! Files: this one holds the types, frames, replay replies and the batch and
-//! event schema; `cursor.rs` the msgpack reader; `tests.rs` the unit tests.
+//! event schema; `cursor.rs` the msgpack reader; `mm.rs` the multimodal and
+//! extra-key fields; `tests.rs` the unit tests.
 
 use crate::index::Tier;
 

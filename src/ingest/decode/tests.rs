@@ -451,3 +451,18 @@ fn extra_keys_and_block_mm_infos_grammar_matches_the_reference() {
         assert!(decode_batch(&p).is_err(), "bad block_mm_infos #{i}");
     }
 }
+
+/// The committed fuzz seeds for multimodal stores decode to what they spell.
+#[test]
+fn multimodal_fuzz_seeds_decode() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/corpus/kv_event_decode/");
+    let vllm = std::fs::read(format!("{dir}seed-vllm-0.34-multimodal-store")).unwrap();
+    let s = only_store(&vllm);
+    assert_eq!((s.block_hashes.len(), s.mm_hashes), (2, None));
+    assert_eq!(s.lora_name.as_deref(), Some("adapter-a"));
+    let bridge = std::fs::read(format!("{dir}seed-trtllm-bridge-block-mm-infos")).unwrap();
+    let s = only_store(&bridge);
+    assert_eq!(s.block_hashes, vec![(-5i64) as u64, 7]);
+    assert_eq!(s.mm_hashes, Some(vec![Some(vec![42]), None]));
+    assert_eq!(s.cache_salt.as_deref(), Some("tenant-a"));
+}
