@@ -37,6 +37,7 @@ fn payload(i: u64, form: EventForm) -> Vec<u8> {
             medium: Tier::Device,
             lora_name: None,
             cache_salt: None,
+            mm_hashes: None,
             group: Group::default(),
         }),
         KvEvent::Removed(Removed {

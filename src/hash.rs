@@ -20,12 +20,24 @@ pub const PUBLIC_SEED: u64 = 1337;
 /// Seed of a block hash with the given LoRA name and cache salt (§5.1). Empty
 /// strings behave exactly like absent values.
 pub fn salt_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
+    seed_with_salt_term(lora_name, cache_salt.and_then(salt_term))
+}
+
+/// What a non-empty cache salt adds to the seed (`None` for an empty salt).
+/// The KV-event path keeps it per salted block, because a child store that
+/// names no salt inherits its parent's (`ingest/apply.rs`).
+pub fn salt_term(cache_salt: &str) -> Option<u64> {
+    (!cache_salt.is_empty()).then(|| xxh3_64_with_seed(cache_salt.as_bytes(), 1))
+}
+
+/// [`salt_seed`] with the salt given as its [`salt_term`].
+pub fn seed_with_salt_term(lora_name: Option<&str>, salt_term: Option<u64>) -> u64 {
     let mut seed = PUBLIC_SEED;
     if let Some(lora) = lora_name.filter(|s| !s.is_empty()) {
         seed = seed.wrapping_add(xxh3_64_with_seed(lora.as_bytes(), 0));
     }
-    if let Some(salt) = cache_salt.filter(|s| !s.is_empty()) {
-        seed = seed.wrapping_add(xxh3_64_with_seed(salt.as_bytes(), 1));
+    if let Some(term) = salt_term {
+        seed = seed.wrapping_add(term);
     }
     seed
 }

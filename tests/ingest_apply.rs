@@ -5,7 +5,9 @@
 use kvselect::hash::{local_block_hashes, salt_seed, sequence_hashes, PUBLIC_SEED};
 use kvselect::index::{Index, Overlap, Tier, WorkerRank};
 use kvselect::ingest::apply::{Applier, ApplyCounts};
-use kvselect::ingest::decode::{decode_batch, Group, GroupKind, KvBatch, KvEvent, Removed, Stored};
+use kvselect::ingest::decode::{
+    decode_batch, BlockMm, Group, GroupKind, KvBatch, KvEvent, Removed, Stored,
+};
 use kvselect::ingest::encode::{encode_batch, EventForm};
 
 const BS: u32 = 16;
@@ -46,6 +48,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>) -> Stored {
         medium: Tier::Device,
         lora_name: None,
         cache_salt: None,
+        mm_hashes: None,
         group: Group::default(),
     }
 }
@@ -262,4 +265,199 @@ fn bad_stores_are_dropped_and_counted() {
         row(&index, &keys(&range(1, 48), false, None, None), 0).device,
         3
     );
+}
+
+// ----- block_mm_infos and inherited salts, pinned to Dynamo 1.6.1 -----
+//
+// The numbers below are the `tokens_hash` values Dynamo 1.6.1's GET /dump
+// showed for the same stores published to it over ZMQ (block size 4, see
+// ARCHITECTURE.md "Multimodal blocks in KV events").
+
+/// Index keys (the public chain) of content hashes given as numbers.
+fn chain_of(local: &[u64]) -> Vec<u64> {
+    let mut k = Vec::new();
+    sequence_hashes(local, PUBLIC_SEED, &mut k);
+    k
+}
+
+fn store4(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>) -> Stored {
+    Stored {
+        block_size: 4,
+        ..stored(hashes, parent, tokens)
+    }
+}
+
+/// `block_mm_infos`, LoRA name, cache salt, Dynamo's two content hashes.
+type MmCase = (
+    BlockMm,
+    Option<&'static str>,
+    Option<&'static str>,
+    [u64; 2],
+);
+
+#[test]
+fn block_mm_infos_hash_as_the_reference_does() {
+    let cases: [MmCase; 5] = [
+        (
+            vec![Some(vec![42]), None],
+            None,
+            None,
+            [14000361058806882387, 16777012769546811212],
+        ),
+        (
+            vec![None, Some(vec![42])],
+            None,
+            None,
+            [14643705804678351452, 15219722816958438665],
+        ),
+        (
+            vec![Some(vec![7, 3])],
+            None,
+            None,
+            [3497545641356191295, 16777012769546811212],
+        ),
+        (
+            vec![Some(vec![42]), None],
+            Some("adapter-a"),
+            None,
+            [17870798172997178923, 5698110331184095209],
+        ),
+        (
+            vec![Some(vec![42]), None],
+            None,
+            Some("tenant-a"),
+            [1179317707491474123, 11202231085456067787],
+        ),
+    ];
+    for (i, (mm, lora, salt, want)) in cases.into_iter().enumerate() {
+        let index = Index::new();
+        let mut ap = Applier::new(W, 0, 4);
+        let mut s = store4(&[10, 11], None, range(1, 8));
+        s.mm_hashes = Some(mm);
+        s.lora_name = lora.map(Into::into);
+        s.cache_salt = salt.map(Into::into);
+        let c = apply(&mut ap, &index, vec![KvEvent::Stored(s)], None);
+        assert_eq!(c.blocks_stored, 2, "case {i}");
+        assert_eq!(row(&index, &chain_of(&want), 0).device, 2, "case {i}");
+        // Plain tokens match at most the blocks without images.
+        let plain = chain_of(&[14643705804678351452, 16777012769546811212]);
+        let expect_plain = u32::from(i == 1);
+        assert_eq!(row(&index, &plain, 0).device, expect_plain, "case {i}");
+    }
+}
+
+/// A child store that names no salt (absent or "") takes its parent's, and
+/// passes it on; one naming its own salt uses that. LoRA is not inherited.
+#[test]
+fn child_stores_inherit_the_parent_salt_as_the_reference_does() {
+    let chain = |salts: [Option<&str>; 3], lora: [Option<&str>; 3], base: u32| {
+        let index = Index::new();
+        let mut ap = Applier::new(W, 0, 4);
+        for i in 0..3u32 {
+            let h = u64::from(base) * 10 + u64::from(i);
+            let mut s = store4(
+                &[h],
+                (i > 0).then(|| h - 1),
+                range(base * 100 + 1 + 4 * i, base * 100 + 4 + 4 * i),
+            );
+            s.cache_salt = salts[i as usize].map(Into::into);
+            s.lora_name = lora[i as usize].map(Into::into);
+            let c = apply(&mut ap, &index, vec![KvEvent::Stored(s)], None);
+            assert_eq!(c.blocks_stored, 1);
+        }
+        (index, ap)
+    };
+    // Reference case 2: A, -, - (all three under A).
+    let (index, _) = chain([Some("A"), None, None], [None; 3], 2);
+    let want = [
+        15741857537459240199,
+        2513939586369685226,
+        17699483198704287371,
+    ];
+    assert_eq!(row(&index, &chain_of(&want), 0).device, 3);
+    // Reference case 3: A, B, - (the grandchild inherits B).
+    let (index, _) = chain([Some("A"), Some("B"), None], [None; 3], 3);
+    let want = [
+        16982328497751873124,
+        4947956004422305166,
+        13770575599896816736,
+    ];
+    assert_eq!(row(&index, &chain_of(&want), 0).device, 3);
+    // Reference case 4: A, "", - (empty is absent: inherits A).
+    let (index, _) = chain([Some("A"), Some(""), None], [None; 3], 4);
+    let t = range(401, 412);
+    assert_eq!(row(&index, &keys4(&t, None, Some("A")), 0).device, 3);
+    // Reference case 5: -, A, - (the root stays plain).
+    let (index, _) = chain([None, Some("A"), None], [None; 3], 5);
+    let want = [
+        17138012588094636213,
+        7762991077897862120,
+        7696366397388037703,
+    ];
+    assert_eq!(row(&index, &chain_of(&want), 0).device, 3);
+    // Reference case 1: LoRA on the root only: the children are plain.
+    let (index, _) = chain([None; 3], [Some("adapter-a"), None, None], 1);
+    let t = range(101, 112);
+    assert_eq!(
+        row(&index, &keys4(&t, Some("adapter-a"), None), 0).device,
+        1
+    );
+    assert_eq!(row(&index, &keys4(&t, None, None), 0).device, 0);
+}
+
+/// The remembered salt leaves with its block: a parent removed and stored
+/// again without a salt passes no salt on.
+#[test]
+fn removed_and_cleared_blocks_pass_no_salt_on() {
+    let index = Index::new();
+    let mut ap = Applier::new(W, 0, 4);
+    let t = range(1, 8);
+    let mut root = store4(&[1], None, range(1, 4));
+    root.cache_salt = Some("A".into());
+    apply(&mut ap, &index, vec![KvEvent::Stored(root)], None);
+    apply(
+        &mut ap,
+        &index,
+        vec![
+            KvEvent::Removed(Removed {
+                block_hashes: vec![1],
+                medium: Tier::Device,
+                group: Group::default(),
+            }),
+            KvEvent::Stored(store4(&[1], None, range(1, 4))),
+            KvEvent::Stored(store4(&[2], Some(1), range(5, 8))),
+        ],
+        None,
+    );
+    assert_eq!(row(&index, &keys4(&t, None, None), 0).device, 2);
+    let mut root = store4(&[3], None, range(1, 4));
+    root.cache_salt = Some("A".into());
+    apply(
+        &mut ap,
+        &index,
+        vec![
+            KvEvent::Cleared,
+            KvEvent::Stored(root),
+            KvEvent::Stored(store4(&[4], Some(3), range(5, 8))),
+        ],
+        None,
+    );
+    assert_eq!(row(&index, &keys4(&t, None, Some("A")), 0).device, 2);
+    apply(
+        &mut ap,
+        &index,
+        vec![
+            KvEvent::Cleared,
+            KvEvent::Stored(store4(&[3], None, range(1, 4))),
+            KvEvent::Stored(store4(&[4], Some(3), range(5, 8))),
+        ],
+        None,
+    );
+    assert_eq!(row(&index, &keys4(&t, None, None), 0).device, 2);
+}
+
+fn keys4(tokens: &[u32], lora: Option<&str>, salt: Option<&str>) -> Vec<u64> {
+    let mut local = Vec::new();
+    local_block_hashes(tokens, 4, false, salt_seed(lora, salt), None, &mut local);
+    chain_of(&local)
 }

@@ -88,6 +88,7 @@ fn expected_store() -> Stored {
         medium: Tier::Device,
         lora_name: None,
         cache_salt: None,
+        mm_hashes: None,
         group: Group {
             idx: Some(0),
             kind: Some(GroupKind::MainAttention),
@@ -392,6 +393,7 @@ fn sample_events() -> Vec<KvEvent> {
             medium: Tier::Disk,
             lora_name: Some("adapter-a".into()),
             cache_salt: Some("salt".into()),
+            mm_hashes: None,
             group: Group {
                 idx: Some(2),
                 kind: Some(GroupKind::Other),

@@ -105,6 +105,7 @@ fn store_batch(rank_key: u64) -> Vec<u8> {
         medium: Tier::Device,
         lora_name: None,
         cache_salt: None,
+        mm_hashes: None,
         group: Group::default(),
     });
     let mut p = Vec::new();

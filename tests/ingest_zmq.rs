@@ -114,6 +114,7 @@ fn store(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>) -> KvEvent {
         medium: Tier::Device,
         lora_name: None,
         cache_salt: None,
+        mm_hashes: None,
         group: Group::default(),
     })
 }

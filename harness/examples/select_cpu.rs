@@ -136,6 +136,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> KvEvent {
         medium: Tier::Device,
         lora_name: None,
         cache_salt: None,
+        mm_hashes: None,
         group: Group::default(),
     })
 }

@@ -474,6 +474,7 @@ impl Mocker {
                 medium: Tier::Device,
                 lora_name: None,
                 cache_salt: None,
+                mm_hashes: None,
                 group: GROUP,
             }));
         }

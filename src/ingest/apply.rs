@@ -3,13 +3,15 @@
 //! Owns: the per-listener rules between "an event was decoded" and "the index
 //! changed" (`kv-events.md` §5.3-§5.7): attention-group filtering (including
 //! kinds learnt from earlier stores), the block-size check, recomputing our
-//! content hashes from the event's tokens, and which
+//! content hashes from the event's tokens (with its LoRA name, its cache salt
+//! or the one inherited from its parent, and its `block_mm_infos`), and which
 //! (worker, rank) an event lands on (the batch's `data_parallel_rank` wins
 //! over the listener's rank). It does no I/O and keeps no sequence state.
 
 use super::decode::{Group, KvBatch, KvEvent, Stored};
-use crate::hash::{local_block_hashes, salt_seed};
-use crate::index::{Index, StoreError, StoredBlock, WorkerRank};
+use crate::hash::{local_block_hashes, salt_term, seed_with_salt_term};
+use crate::index::{Index, StoreError, StoredBlock, Tier, WorkerRank};
+use std::collections::HashMap;
 
 /// What applying batches did; plain counters, summed into the hub's atomics
 /// once per batch.
@@ -51,6 +53,13 @@ pub struct Applier {
     /// Every rank this listener has written to, so a restart or a stop can
     /// clear exactly those.
     ranks: Vec<u32>,
+    /// The cache-salt term of every indexed block stored with a salt, by
+    /// (rank, tier, engine hash). Dynamo 1.6.1 hashes a child store that
+    /// names no salt (absent or `""`) with its parent's salt, generation after
+    /// generation; its LoRA name is not inherited (verified, see
+    /// ARCHITECTURE.md). Entries leave with their block (BlockRemoved, clear),
+    /// and only salted blocks have one, so unsalted fleets pay nothing.
+    salts: HashMap<(u32, Tier, u64), u64>,
     local: Vec<u64>,
     blocks: Vec<StoredBlock>,
 }
@@ -63,6 +72,7 @@ impl Applier {
             block_size,
             learnt_groups: Vec::new(),
             ranks: vec![dp_rank],
+            salts: HashMap::new(),
             local: Vec::new(),
             blocks: Vec::new(),
         }
@@ -88,6 +98,7 @@ impl Applier {
         }
         self.ranks.truncate(1);
         self.learnt_groups.clear();
+        self.salts = HashMap::new();
     }
 
     fn rank_of(&mut self, batch: &KvBatch) -> WorkerRank {
@@ -142,9 +153,17 @@ impl Applier {
                     }
                     c.blocks_removed += index.remove(wr, r.medium, &r.block_hashes) as u64;
                     c.events_applied += 1;
+                    if !self.salts.is_empty() {
+                        for &h in &r.block_hashes {
+                            self.salts.remove(&(wr.dp_rank, r.medium, h));
+                        }
+                    }
                 }
                 KvEvent::Cleared => {
                     index.clear(wr);
+                    if !self.salts.is_empty() {
+                        self.salts.retain(|&(rank, _, _), _| rank != wr.dp_rank);
+                    }
                     c.clears += 1;
                     c.events_applied += 1;
                 }
@@ -157,13 +176,24 @@ impl Applier {
             c.stores_dropped_block_size += 1;
             return;
         }
+        let salt = s.cache_salt.as_deref().and_then(salt_term).or_else(|| {
+            let parent = s.parent_hash?;
+            if self.salts.is_empty() {
+                return None;
+            }
+            // The parent on the store's own tier first, else on any tier (as
+            // the index finds parents).
+            std::iter::once(s.medium)
+                .chain(Tier::ALL)
+                .find_map(|t| self.salts.get(&(wr.dp_rank, t, parent)).copied())
+        });
         self.local.clear();
         local_block_hashes(
             &s.token_ids,
             s.block_size,
             s.eagle,
-            salt_seed(s.lora_name.as_deref(), s.cache_salt.as_deref()),
-            None,
+            seed_with_salt_term(s.lora_name.as_deref(), salt),
+            s.mm_hashes.as_deref(),
             &mut self.local,
         );
         if self.local.len() != s.block_hashes.len() {
@@ -189,6 +219,11 @@ impl Applier {
             Ok(n) => {
                 c.blocks_stored += n as u64;
                 c.events_applied += 1;
+                if let Some(term) = salt {
+                    for &h in &s.block_hashes {
+                        self.salts.insert((wr.dp_rank, s.medium, h), term);
+                    }
+                }
             }
             Err(StoreError::UnknownParent) => c.stores_dropped_unknown_parent += 1,
             Err(StoreError::SelfReference) => c.stores_dropped_self_reference += 1,

@@ -93,6 +93,28 @@ fn kind_str(k: GroupKind) -> &'static str {
     }
 }
 
+/// `block_mm_infos` as Dynamo's TRT-LLM bridge sends it: per block nil or
+/// `{"mm_objects": [{"mm_hash", "offsets": []}]}` (offsets are not hashed).
+fn block_mm_infos(out: &mut Vec<u8>, mm: &[Option<Vec<u64>>]) {
+    ok(w::write_array_len(out, mm.len() as u32));
+    for block in mm {
+        let Some(hs) = block else {
+            ok(w::write_nil(out));
+            continue;
+        };
+        ok(w::write_map_len(out, 1));
+        str_(out, "mm_objects");
+        ok(w::write_array_len(out, hs.len() as u32));
+        for &h in hs {
+            ok(w::write_map_len(out, 2));
+            str_(out, "mm_hash");
+            uint(out, h);
+            str_(out, "offsets");
+            ok(w::write_array_len(out, 0));
+        }
+    }
+}
+
 /// Appends one batch `[ts, [events], dp_rank]` to `out`.
 pub fn encode_batch(
     out: &mut Vec<u8>,
@@ -146,6 +168,7 @@ pub fn encode_event(out: &mut Vec<u8>, e: &KvEvent, form: EventForm) {
         (KvEvent::Stored(s), EventForm::Map) => {
             let n = 9
                 + s.cache_salt.is_some() as u16
+                + s.mm_hashes.is_some() as u16
                 + s.group.idx.is_some() as u16
                 + s.group.kind.is_some() as u16;
             // map16 even below 16 keys, as msgspec writes a 16-field struct.
@@ -174,6 +197,10 @@ pub fn encode_event(out: &mut Vec<u8>, e: &KvEvent, form: EventForm) {
                 str_(out, "cache_salt");
                 str_(out, salt);
             }
+            if let Some(mm) = &s.mm_hashes {
+                str_(out, "block_mm_infos");
+                block_mm_infos(out, mm);
+            }
             if let Some(g) = s.group.idx {
                 str_(out, "group_idx");
                 uint(out, g as u64);
@@ -184,7 +211,7 @@ pub fn encode_event(out: &mut Vec<u8>, e: &KvEvent, form: EventForm) {
             }
         }
         (KvEvent::Stored(s), EventForm::Array) => {
-            ok(w::write_array_len(out, 12));
+            ok(w::write_array_len(out, 12 + s.mm_hashes.is_some() as u32));
             str_(out, "BlockStored");
             hashes(out, &s.block_hashes);
             opt_uint(out, s.parent_hash);
@@ -194,6 +221,9 @@ pub fn encode_event(out: &mut Vec<u8>, e: &KvEvent, form: EventForm) {
             str_(out, medium_of(s.medium));
             opt_str(out, s.lora_name.as_deref());
             ok(w::write_nil(out)); // extra_keys
+            if let Some(mm) = &s.mm_hashes {
+                block_mm_infos(out, mm);
+            }
             opt_uint(out, s.group.idx.map(u64::from));
             opt_str(out, s.group.kind.map(kind_str));
             ok(w::write_nil(out)); // sliding window
@@ -267,6 +297,7 @@ mod tests {
             medium: Tier::Device,
             lora_name: None,
             cache_salt: None,
+            mm_hashes: None,
             group: GROUP0,
         });
         encode_batch(&mut out, 1.0, &[ev], Some(0), EventForm::Map);

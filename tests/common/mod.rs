@@ -271,6 +271,7 @@ pub fn stored(
         medium: tier(medium),
         lora_name: None,
         cache_salt: None,
+        mm_hashes: None,
         group: Group::default(),
     })
 }

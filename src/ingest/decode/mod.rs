@@ -22,14 +22,21 @@
 //! event we cannot use (unknown `medium`, non-local `locality`, unknown type
 //! tag) is dropped on its own and counted in [`Dropped`].
 //!
+//! `extra_keys` and `block_mm_infos` are held to the grammar Dynamo 1.6.1
+//! accepts (a violation fails the batch there and here); only
+//! `block_mm_infos` reaches the hashes (`mm.rs` has the established facts).
+//!
 //! Files: this one holds the types, frames, replay replies and the batch and
-//! event schema; `cursor.rs` the msgpack reader; `tests.rs` the unit tests.
+//! event schema; `cursor.rs` the msgpack reader; `mm.rs` the multimodal and
+//! extra-key fields; `tests.rs` the unit tests.
 
 use crate::index::Tier;
 
 mod cursor;
+mod mm;
 
 use cursor::{Container, Cursor};
+pub use mm::BlockMm;
 
 /// The sequence number of the end-of-replay marker.
 pub const REPLAY_END_SEQ: u64 = u64::MAX;
@@ -79,6 +86,9 @@ pub struct Stored {
     pub medium: Tier,
     pub lora_name: Option<String>,
     pub cache_salt: Option<String>,
+    /// `block_mm_infos`: per block the `mm_hash`es hashed after its tokens
+    /// (`mm.rs`). `extra_keys` is checked but not kept: it changes no hash.
+    pub mm_hashes: Option<BlockMm>,
     pub group: Group,
 }
 
@@ -347,6 +357,7 @@ struct RawEvent<'a> {
     medium: Option<&'a str>,
     lora_name: Option<&'a str>,
     cache_salt: Option<&'a str>,
+    mm: Option<BlockMm>,
     group_idx: Option<u32>,
     kind: Option<&'a str>,
     locality: Option<&'a str>,
@@ -364,6 +375,8 @@ impl<'a> RawEvent<'a> {
                 Some("medium") => self.medium = c.opt_str()?,
                 Some("lora_name") => self.lora_name = c.opt_str()?,
                 Some("cache_salt") => self.cache_salt = c.opt_str()?,
+                Some("extra_keys") => c.extra_keys()?,
+                Some("block_mm_infos") => self.mm = c.block_mm_infos()?,
                 Some("group_idx") => self.group_idx = c.opt_u32("group_idx")?,
                 Some("kv_cache_spec_kind") => self.kind = c.opt_str()?,
                 Some("locality") => self.locality = c.opt_str()?,
@@ -403,12 +416,13 @@ impl<'a> RawEvent<'a> {
                 let mut tail = 0;
                 while i < n {
                     match i {
-                        5 | 8 => c.skip()?,
+                        5 => c.skip()?,
+                        8 => c.extra_keys()?,
                         6 => self.medium = c.opt_str()?,
                         7 => self.lora_name = c.opt_str()?,
                         _ => {
                             if tail == 0 && c.peek_is_array() {
-                                c.skip()?; // block_mm_infos
+                                self.mm = c.block_mm_infos()?;
                             } else {
                                 match tail {
                                     0 => self.group_idx = c.opt_u32("group_idx")?,
@@ -488,6 +502,7 @@ impl<'a> RawEvent<'a> {
                         medium,
                         lora_name: self.lora_name.map(str::to_owned),
                         cache_salt: self.cache_salt.map(str::to_owned),
+                        mm_hashes: self.mm,
                         group,
                     }),
                     None => KvEvent::Removed(Removed {
