@@ -1,7 +1,11 @@
 //! A short version of `benches/parse.rs` on one 100k-token /select body with
-//! realistic ids: every contender timed in the same run, then
+//! realistic ids: every token loop this CPU has (scalar, avx2, avx512; each
+//! row names the loop it ran, `simd=peer` for the other parsers and the
+//! memcpy) timed in the same run as serde_json typed, then one
+//! `<path>_ratio_vs_serde_typed_100k=` line per loop, `best_path=` and
 //! `ratio_vs_serde_typed_100k=<serde_json typed time / our best time>` as the
-//! last line.
+//! last line. `PARSE_REPORT_PROFILE=<path>` loops one path instead (for
+//! `perf record`).
 //!
 //! `cargo run --release --example parse_report`
 
@@ -81,19 +85,27 @@ fn main() {
         )
         .with_number_path(p)
     };
-    let scalar = mk(NumberPath::Scalar);
-    let avx2 = mk(NumberPath::Avx2);
-    let avx512 = mk(NumberPath::Avx512);
+    // Every token loop this CPU really has (a path it lacks is not listed,
+    // so no row runs one loop under another's name).
+    let paths: Vec<(Parser, &str)> = NumberPath::available()
+        .into_iter()
+        .map(|(p, name)| {
+            assert_eq!(p.effective_name(), name);
+            (mk(p), name)
+        })
+        .collect();
     let ours = |p: &Parser, b: &[u8]| {
         let r = p.select(b, SelectKind::Select).unwrap();
         r.prompt.token_ids.as_ref().map_or(0, |t| t.len())
     };
     if let Ok(which) = std::env::var("PARSE_REPORT_PROFILE") {
         // Profiling aid: loop one of our paths for a few seconds.
-        let p = match which.as_str() {
-            "scalar" => &scalar,
-            "avx2" => &avx2,
-            _ => &avx512,
+        let Some((p, _)) = paths.iter().find(|(_, name)| *name == which) else {
+            eprintln!(
+                "PARSE_REPORT_PROFILE={which}: this CPU has {}",
+                NumberPath::names(&NumberPath::available())
+            );
+            std::process::exit(2);
         };
         for _ in 0..3000 {
             black_box(ours(p, &b));
@@ -102,9 +114,11 @@ fn main() {
     }
     let mut scratch = Vec::new();
     let mut copy = Vec::new();
-    let rows = [
+    // (row, token loop used: a kvselect path, or "peer"), time in ns.
+    let mut rows: Vec<(String, &str, f64)> = vec![
         (
-            "memcpy",
+            "memcpy".into(),
+            "peer",
             median_ns(
                 |b| {
                     copy.clear();
@@ -115,7 +129,8 @@ fn main() {
             ),
         ),
         (
-            "serde_json_flatten",
+            "serde_json_flatten".into(),
+            "peer",
             median_ns(
                 |b| {
                     serde_json::from_slice::<RefSelectFlatten>(b)
@@ -126,7 +141,8 @@ fn main() {
             ),
         ),
         (
-            "serde_json_typed",
+            "serde_json_typed".into(),
+            "peer",
             median_ns(
                 |b| {
                     serde_json::from_slice::<RefSelect>(b)
@@ -137,7 +153,8 @@ fn main() {
             ),
         ),
         (
-            "simd_json_typed",
+            "simd_json_typed".into(),
+            "peer",
             median_ns(
                 |b| {
                     scratch.clear();
@@ -150,37 +167,52 @@ fn main() {
             ),
         ),
         (
-            "sonic_rs_typed",
+            "sonic_rs_typed".into(),
+            "peer",
             median_ns(
                 |b| sonic_rs::from_slice::<RefSelect>(b).unwrap().token_count(),
                 &b,
             ),
         ),
-        ("kvselect_scalar", median_ns(|b| ours(&scalar, b), &b)),
-        ("kvselect_avx2", median_ns(|b| ours(&avx2, b), &b)),
-        ("kvselect_avx512", median_ns(|b| ours(&avx512, b), &b)),
     ];
-    let serde_typed = rows[2].1;
+    for (p, name) in &paths {
+        rows.push((
+            format!("kvselect_{name}"),
+            name,
+            median_ns(|b| ours(p, b), &b),
+        ));
+    }
+    let serde_typed = rows[2].2;
     println!(
-        "100k-token /select body: {} bytes, avx2={} avx512={}",
+        "100k-token /select body: {} bytes; token loops this CPU has: {} (avx2={} avx512={})",
         b.len(),
+        NumberPath::names(&NumberPath::available()),
         avx2_available(),
         avx512_available()
     );
-    for (name, ns) in &rows {
+    for (name, path, ns) in &rows {
         println!(
-            "{name:>20} {:>9.1} us {:>7.3} ns/token {:>6.3} GB/s  ratio_vs_serde_typed {:>6.2}",
+            "{name:>20} simd={path:<6} {:>9.1} us {:>7.3} ns/token {:>6.3} GB/s  ratio_vs_serde_typed {:>6.2}",
             ns / 1000.0,
             ns / TOKENS as f64,
             b.len() as f64 / ns,
             serde_typed / ns
         );
     }
-    let best = rows[5].1.min(rows[6].1).min(rows[7].1);
-    println!("avx512_vs_avx2_100k={:.2}", rows[6].1 / rows[7].1);
-    println!(
-        "scalar_ratio_vs_serde_typed_100k={:.2}",
-        serde_typed / rows[5].1
-    );
+    let time_of = |path: &str| rows.iter().find(|r| r.1 == path).map(|r| r.2);
+    if let (Some(avx2), Some(avx512)) = (time_of("avx2"), time_of("avx512")) {
+        println!("avx512_vs_avx2_100k={:.2}", avx2 / avx512);
+    }
+    for (_, name) in &paths {
+        if let Some(t) = time_of(name) {
+            println!("{name}_ratio_vs_serde_typed_100k={:.2}", serde_typed / t);
+        }
+    }
+    let (best_path, best) = paths
+        .iter()
+        .filter_map(|(_, name)| Some((*name, time_of(name)?)))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .expect("the scalar loop is always listed");
+    println!("best_path={best_path}");
     println!("ratio_vs_serde_typed_100k={:.2}", serde_typed / best);
 }

@@ -158,6 +158,10 @@ pub struct Report {
     pub other_cores_used: Option<f64>,
     /// Share of prompt blocks the chosen mock worker already had cached.
     pub kv_hit_ratio: f64,
+    /// The server's token-array loop (`avx512`, `avx2`, `scalar`), read from
+    /// its `/metrics` gauge `kvselect_simd_path`; `None` for a server without
+    /// it (the reference).
+    pub simd_path: Option<String>,
     pub first_error: Option<String>,
 }
 
@@ -632,6 +636,7 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
         }
     }
 
+    let simd_path = server_simd_path(&cfg.addr).await;
     let mut lat: Vec<u32> = Vec::new();
     let mut rep = Report {
         server: server.to_string(),
@@ -642,6 +647,7 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
         sessions: cfg.sessions,
         mean_isl_target: cfg.mean_isl,
         window_s: window,
+        simd_path,
         ..Report::default()
     };
     let (mut isl, mut hit, mut blocks) = (0u64, 0u64, 0u64);
@@ -681,6 +687,33 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
     rep
 }
 
+/// The token-array loop the selector at `addr` runs: the `path` label of
+/// its `kvselect_simd_path` gauge on `GET /metrics`. `None` when the server
+/// has no such gauge (the reference) or does not answer.
+pub async fn server_simd_path(addr: &str) -> Option<String> {
+    let mut c = HttpConn::connect(addr).await.ok()?;
+    let status = c
+        .request("GET", "/metrics", None, Duration::from_secs(10))
+        .await
+        .ok()?;
+    if status != 200 {
+        return None;
+    }
+    simd_path_of(std::str::from_utf8(c.body()).ok()?)
+}
+
+/// The `path` label of the `kvselect_simd_path` sample in a Prometheus text
+/// exposition.
+pub fn simd_path_of(metrics: &str) -> Option<String> {
+    metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("kvselect_simd_path{"))
+        .find_map(|l| {
+            let rest = &l[l.find("path=\"")? + 6..];
+            Some(rest[..rest.find('"')?].to_string())
+        })
+}
+
 fn opt(v: Option<f64>, prec: usize) -> String {
     v.map(|v| format!("{v:.prec$}"))
         .unwrap_or_else(|| "n/a".into())
@@ -690,6 +723,10 @@ fn opt(v: Option<f64>, prec: usize) -> String {
 /// side-by-side printers.
 pub fn rows(r: &Report) -> Vec<(&'static str, String)> {
     vec![
+        (
+            "server SIMD path",
+            r.simd_path.clone().unwrap_or_else(|| "n/a".into()),
+        ),
         ("requests/s", format!("{:.1}", r.requests_per_s)),
         ("requests (window)", r.requests.to_string()),
         ("errors", r.errors.to_string()),
@@ -741,6 +778,16 @@ mod tests {
             (0..64).map(|p| token(2, p)).collect::<Vec<_>>()
         );
         assert!((0..1000).all(|p| (token(3, p) as u64) < VOCAB));
+    }
+
+    #[test]
+    fn simd_path_is_read_from_the_gauge() {
+        let text = "# HELP kvselect_simd_path Token-array loop\n\
+                    # TYPE kvselect_simd_path gauge\n\
+                    kvselect_simd_path_other{path=\"x\"} 1\n\
+                    kvselect_simd_path{path=\"avx2\"} 1\n";
+        assert_eq!(simd_path_of(text).as_deref(), Some("avx2"));
+        assert_eq!(simd_path_of("kvselect_build_info{version=\"1\"} 1\n"), None);
     }
 
     #[test]

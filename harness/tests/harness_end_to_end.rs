@@ -55,6 +55,11 @@ async fn closed_loop_sessions_follow_the_cache_without_errors() {
     let server = common::start().await;
     let r = run(&server, "4", &[]).await;
     assert_eq!(r.errors, 0, "first error: {:?}", r.first_error);
+    // The report names the token loop the server runs (from its /metrics).
+    assert_eq!(
+        r.simd_path.as_deref(),
+        Some(server.app.config.number_path.effective_name())
+    );
     // Far more than the paced test below allows, so that one can fail.
     assert!(r.requests > 60, "{r:?}");
     // Each turn extends the session's last prompt; a selector that indexes

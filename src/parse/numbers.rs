@@ -12,7 +12,7 @@
 
 use super::cursor::{is_ws, Cur};
 use super::failure::{fail, Context, PResult};
-use super::simd::{self, Run, Vector};
+use super::simd::{self, Vector};
 use super::ErrorClass;
 
 #[cold]
@@ -117,14 +117,7 @@ pub(crate) fn u32_array(
     let mut i = cur.i;
     loop {
         if let Some(v) = vector {
-            match simd::u32_run(b, i, out, base + max, v) {
-                Run::Done(end) => {
-                    cur.i = end;
-                    cur.leave();
-                    return Ok(());
-                }
-                Run::Bail(j) => i = j,
-            }
+            i = simd::u32_run(b, i, out, base + max, v);
         }
         let start = i;
         let v = match scalar_u32(b, &mut i) {

@@ -307,7 +307,11 @@ fn hashes(v: &Option<Vec<i64>>) -> Option<Vec<u64>> {
 /// Differential check of one /select body: panics (with both verdicts) when
 /// our parser and the serde_json oracle disagree on the class or on a value.
 pub fn differential_select(body: &[u8]) {
-    let parser = Parser::default();
+    differential_select_with(&Parser::default(), body)
+}
+
+/// [`differential_select`] with a given parser (e.g. one token loop pinned).
+pub fn differential_select_with(parser: &Parser, body: &[u8]) {
     let ours = parser.select(body, SelectKind::Select);
     let want = reference(body);
     let (ours, want) = match (ours, want) {

@@ -1,258 +1,228 @@
-//! The AVX2 run (the contract and the method are in `mod.rs`'s header).
-//! x86-64 only.
+//! The AVX2 run: the AVX-512 run's steps with 256-bit parts (the contract
+//! and the method are in `mod.rs`'s header). x86-64 only.
 
 // Target-feature intrinsics and raw stores into reserved capacity.
 #![allow(unsafe_code)]
 
-use super::{digits_value, exact_u32, Run};
-use crate::parse::cursor::is_ws;
+use super::exact_u32;
 use std::arch::x86_64::*;
 
-/// Bytes that must follow a chunk start so that a digit run found in the
-/// chunk (<= 32 bytes), its SWAR load (8) and its separator stay in bounds.
-const MARGIN: usize = 128;
-/// Bytes classified per block (one bit each in a u64 mask).
-const CHUNK: usize = 64;
+/// Bytes classified per step (one bit each in a u64 mask).
+const BLOCK: usize = 64;
+/// Bytes that must follow a step start: the block, plus the 8-byte window
+/// of an unused lane (end 64) and the exact conversion's load near the end.
+const MARGIN: usize = BLOCK + 16;
+/// Bytes that must precede a step start: a number's 8-byte window ends at
+/// its last digit, so a number at the step start reads up to 7 bytes before.
+const BEHIND: usize = 8;
+/// Most numbers one step finishes: 32 one-digit numbers and commas.
+const SLOTS: usize = 32;
+/// Slots written per step: up to 32 numbers, in vectors of 12 then 8.
+const SPARE: usize = 36;
 /// Numbers converted per vector (one 64-bit lane each).
 const GROUP: usize = 4;
+/// How far ahead of a step its load prefetches (about 8 steps).
+const PREFETCH: usize = 512;
 
-/// Four 8-byte digit windows (first digit in the lowest byte) and their
-/// left shifts (8 * (8 - digits)) to four u32 values: `maddubs` combines
-/// digit pairs, `madd` pairs of pairs, `mul_epu32` the two halves.
+/// The 64-bit masks of one block: digits, commas, spaces, zeros.
 #[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
-fn convert4(win: [i64; GROUP], shift: [i64; GROUP]) -> __m128i {
-    let v = _mm256_set_epi64x(win[3], win[2], win[1], win[0]);
-    let sh = _mm256_set_epi64x(shift[3], shift[2], shift[1], shift[0]);
-    let v = _mm256_sub_epi8(v, _mm256_set1_epi8(b'0' as i8));
-    let v = _mm256_sllv_epi64(v, sh);
-    let v = _mm256_maddubs_epi16(v, _mm256_set1_epi16(0x010A));
-    let v = _mm256_madd_epi16(v, _mm256_set1_epi32(0x0001_0064));
-    let v = _mm256_add_epi64(
-        _mm256_mul_epu32(v, _mm256_set1_epi64x(10_000)),
-        _mm256_srli_epi64(v, 32),
-    );
-    let v = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
-    _mm256_castsi256_si128(v)
-}
-
-/// Per-chunk byte classes, one bit per byte.
-struct Masks {
-    digit: u64,
-    comma: u64,
-    space: u64,
-    zero: u64,
-}
-
-#[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
-fn classify32(v: __m256i) -> [u64; 4] {
+fn classify(b: &[u8], p: usize) -> [u64; 4] {
+    debug_assert!(p + BLOCK <= b.len());
     let zero_c = _mm256_set1_epi8(b'0' as i8);
-    let t = _mm256_sub_epi8(v, zero_c);
-    let is_digit = _mm256_cmpeq_epi8(_mm256_min_epu8(t, _mm256_set1_epi8(9)), t);
-    let mask = |x| _mm256_movemask_epi8(x) as u32 as u64;
-    [
-        mask(is_digit),
-        mask(_mm256_cmpeq_epi8(v, _mm256_set1_epi8(b',' as i8))),
-        mask(_mm256_cmpeq_epi8(v, _mm256_set1_epi8(b' ' as i8))),
-        mask(_mm256_cmpeq_epi8(v, zero_c)),
-    ]
-}
-
-/// Classifies the CHUNK bytes at `b[p..]`; needs `p + CHUNK <= b.len()`.
-#[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
-fn classify(b: &[u8], p: usize) -> Masks {
-    debug_assert!(p + CHUNK <= b.len());
-    let mut m = Masks {
-        digit: 0,
-        comma: 0,
-        space: 0,
-        zero: 0,
-    };
-    for j in 0..CHUNK / 32 {
-        // SAFETY: p + CHUNK <= b.len() (callers check p + MARGIN <=
+    let comma_c = _mm256_set1_epi8(b',' as i8);
+    let space_c = _mm256_set1_epi8(b' ' as i8);
+    let nine = _mm256_set1_epi8(9);
+    let mut m = [0u64; 4];
+    for half in 0..BLOCK / 32 {
+        // SAFETY: p + BLOCK <= b.len() (the caller checks p + MARGIN <=
         // b.len()), so each unaligned 32-byte load reads only bytes of `b`.
-        let v = unsafe { _mm256_loadu_si256(b.as_ptr().add(p + 32 * j) as *const __m256i) };
-        let c = classify32(v);
-        let sh = 32 * j as u32;
-        m.digit |= (c[0] as u64) << sh;
-        m.comma |= (c[1] as u64) << sh;
-        m.space |= (c[2] as u64) << sh;
-        m.zero |= (c[3] as u64) << sh;
+        let v = unsafe { _mm256_loadu_si256(b.as_ptr().add(p + 32 * half) as *const __m256i) };
+        let t = _mm256_sub_epi8(v, zero_c);
+        let digit = _mm256_cmpeq_epi8(_mm256_min_epu8(t, nine), t);
+        let sh = 32 * half as u32;
+        let mask = |x| (_mm256_movemask_epi8(x) as u32 as u64) << sh;
+        m[0] |= mask(digit);
+        m[1] |= mask(_mm256_cmpeq_epi8(v, comma_c));
+        m[2] |= mask(_mm256_cmpeq_epi8(v, space_c));
+        m[3] |= mask(_mm256_cmpeq_epi8(v, zero_c));
     }
     m
 }
 
-/// Most numbers one 64-byte block can finish: 32 runs started in it plus
-/// the one carried in, rounded up to whole vector groups.
-const SLOTS: usize = 36;
-
-/// The bulk run: FIXED 64-byte blocks from the run start, so that the next
-/// block's loads and masks do not wait for this block's numbers (the only
-/// state carried from block to block is a few bits and the start of a
-/// number that straddles the boundary). Per block, the masks prove the
-/// bytes are digit runs separated by `,` or `, ` (every comma follows a
-/// digit, every space follows a comma, nothing else); every run start is a
-/// bit, its length a `trailing_zeros`, and the finished numbers are
-/// converted GROUP at a time. A block with anything else goes element by
-/// element from its first unfinished element ([`step`]); an element of
-/// another shape ends the run at its start ([`Run::Bail`]).
+/// The 8-byte window that ends at `b[e]` (a number's last digit) in the
+/// low half of an xmm register; needs `BEHIND <= e + 1` and `e < b.len()`.
 #[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
-pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize) -> Run {
-    let mut p = i;
-    // Start of a digit run that reached the end of the previous block.
-    let mut pending: Option<usize> = None;
-    // Was the previous block's last byte a digit / a comma?
-    let mut prev_digit = 0u64;
-    let mut prev_comma = 0u64;
-    // Number starts and lane shifts of one block; unused slots keep
-    // in-bounds positions from earlier blocks (their values are dropped).
-    let mut pos = [i as u64; SLOTS];
-    let mut shift = [0i64; SLOTS];
-    while p + MARGIN <= b.len() && out.len() + SLOTS <= max {
-        let m = classify(b, p);
-        let other = !(m.digit | m.comma | m.space);
-        if other != 0
-            || m.comma & !((m.digit << 1) | prev_digit) != 0
-            || m.space & !((m.comma << 1) | prev_comma) != 0
-        {
-            // Messy block (other whitespace, the array's end, an error):
-            // element by element from its first unfinished element.
-            let e = pending.unwrap_or(p);
-            let md = classify(b, e).digit as u32;
-            match step(b, e, md, out) {
-                Ok(np) => {
-                    p = np;
-                    pending = None;
-                    prev_digit = 0;
-                    prev_comma = 0;
-                    continue;
-                }
-                Err(run) => return run,
-            }
-        }
-        let non_digit = !m.digit;
-        let mut starts = m.digit & !((m.digit << 1) | prev_digit);
-        // A run reaching the block end finishes in a later block.
-        let mut carry = None;
-        if m.digit >> 63 != 0 {
-            if starts != 0 {
-                let last = 63 - starts.leading_zeros();
-                starts &= !(1u64 << last);
-                carry = Some(p + last as usize);
-            } else {
-                carry = pending;
-            }
-        }
-        // A leading '0' followed by a digit, inside the block.
-        let mut odd = starts & m.zero & (m.digit >> 1) != 0;
-        let mut count = 0usize;
-        if let (Some(q), true) = (pending, non_digit != 0) {
-            let n = p + non_digit.trailing_zeros() as usize - q;
-            odd |= n > 8 || (n > 1 && b[q] == b'0');
-            pos[0] = q as u64;
-            shift[0] = (8u64.wrapping_sub(n as u64) << 3) as i64;
-            count = 1;
-        }
-        let mut rest = starts;
-        while rest != 0 {
-            let at = rest.trailing_zeros() as usize;
-            rest &= rest - 1;
-            let n = (non_digit >> at).trailing_zeros() as u64;
-            odd |= n > 8;
-            // count < SLOTS: at most 32 runs start in 64 bytes, plus one.
-            pos[count] = (p + at) as u64;
-            shift[count] = (8u64.wrapping_sub(n) << 3) as i64;
-            count += 1;
-        }
-        out.reserve(SLOTS);
-        let base = out.len();
-        // SAFETY: `reserve(SLOTS)` guarantees SLOTS spare slots past `len`.
-        let dst = unsafe { out.as_mut_ptr().add(base) };
-        if !odd {
-            let mut k = 0usize;
-            while k < count {
-                let mut win = [0i64; GROUP];
-                for j in 0..GROUP {
-                    let q = pos[k + j] as usize;
-                    let mut w = [0u8; 8];
-                    w.copy_from_slice(&b[q..q + 8]);
-                    win[j] = i64::from_le_bytes(w);
-                }
-                let sh = [shift[k], shift[k + 1], shift[k + 2], shift[k + 3]];
-                let packed = convert4(win, sh);
-                // SAFETY: k + GROUP <= SLOTS (count <= 33, SLOTS = 36) and
-                // SLOTS slots past `base` are reserved; unaligned store.
-                unsafe { _mm_storeu_si128(dst.add(k) as *mut __m128i, packed) };
-                k += GROUP;
-            }
-            // SAFETY: slots base..base + count were written above.
-            unsafe { out.set_len(base + count) };
-        } else {
-            // Exact, in order: the first element of another shape ends
-            // the run with the elements before it kept.
-            for k in 0..count {
-                let q = pos[k] as usize;
-                let n = 8 - (shift[k] >> 3);
-                let Some(value) = exact_u32(b, q, n as usize) else {
-                    // SAFETY: slots base..base + k were written below.
-                    unsafe { out.set_len(base + k) };
-                    return Run::Bail(q);
-                };
-                // SAFETY: k < count <= SLOTS, reserved above.
-                unsafe { dst.add(k).write(value) };
-            }
-            // SAFETY: slots base..base + count were written in the loop.
-            unsafe { out.set_len(base + count) };
-        }
-        pending = carry;
-        prev_digit = m.digit >> 63;
-        prev_comma = m.comma >> 63;
-        p += CHUNK;
-    }
-    Run::Bail(pending.unwrap_or(p))
+fn window(b: &[u8], e: usize) -> __m128i {
+    debug_assert!(e + 1 >= 8 && e < b.len());
+    // SAFETY: e - 7 >= 0 and e + 1 <= b.len(): 8 bytes of `b`.
+    unsafe { _mm_loadl_epi64(b.as_ptr().add(e - 7) as *const __m128i) }
 }
 
-/// Element-by-element conversion within one chunk, for chunks with other
-/// whitespace, the array's end, or anything unusual. `Ok` gives the next
-/// chunk start (an element start); `Err` ends the run.
-fn step(b: &[u8], p: usize, digit: u32, out: &mut Vec<u32>) -> Result<usize, Run> {
-    let non_digit = !(digit as u64);
-    let mut s = 0usize;
-    loop {
-        let n = (non_digit >> s).trailing_zeros() as usize;
-        if s + n >= 32 {
-            if s == 0 {
-                // A 32-digit run: not a u32; the scalar loop says so.
-                return Err(Run::Bail(p));
-            }
-            // The run may continue past the chunk: reload from its start.
-            return Ok(p + s);
-        }
-        let q = p + s;
-        if n == 0 || n > 10 || (n > 1 && b[q] == b'0') {
-            return Err(Run::Bail(q));
-        }
-        let e = q + n;
-        let value = digits_value(b, q, n);
-        if value > u32::MAX as u64 {
-            return Err(Run::Bail(q));
-        }
-        match b[e] {
-            b',' => {
-                let mut k = e + 1;
-                while k < b.len() && is_ws(b[k]) {
-                    k += 1;
-                }
-                out.push(value as u32);
-                s = k - p;
-            }
-            b']' => {
-                out.push(value as u32);
-                return Err(Run::Done(e + 1));
-            }
-            _ => return Err(Run::Bail(q)),
-        }
-        if s >= 32 {
-            return Ok(p + s);
-        }
+/// Byte order reversed within each 8-byte lane.
+static REVERSE: [u8; 32] = [
+    7, 6, 5, 4, 3, 2, 1, 0, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 15, 14, 13, 12,
+    11, 10, 9, 8,
+];
+
+/// The next four numbers of 1 to 8 digits whose last digits are the lowest
+/// bits of `ends` (offsets from `p`; bits taken off), as two 4-digit values
+/// per 64-bit lane: the last four digits in the low dword, the four before
+/// them in the high dword. Lane k holds the 8 bytes ending at number k's
+/// last digit, reversed (last digit first); the bytes from the first
+/// non-digit on (the separator before the number and whatever precedes it)
+/// are zeroed, so the missing digits read as leading zeros; `maddubs`
+/// combines digit pairs and `madd` pairs of pairs. An exhausted mask gives
+/// offset 64: that lane reads the 8 bytes ending at `p + 64` (in bounds:
+/// MARGIN) and its value is junk the caller leaves out.
+#[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
+fn quads4(b: &[u8], p: usize, ends: &mut u64) -> __m256i {
+    let mut e = [0usize; GROUP];
+    for slot in e.iter_mut() {
+        *slot = p + ends.trailing_zeros() as usize;
+        *ends &= ends.wrapping_sub(1);
     }
+    let pair = |x: usize, y: usize| {
+        debug_assert!(y + 1 >= 8 && y < b.len());
+        // SAFETY: as in `window`: y - 7 >= 0 and y + 1 <= b.len(), so the
+        // 8-byte load into the high half reads only bytes of `b`.
+        _mm_castpd_si128(unsafe {
+            _mm_loadh_pd(
+                _mm_castsi128_pd(window(b, x)),
+                b.as_ptr().add(y - 7) as *const f64,
+            )
+        })
+    };
+    let lo = pair(e[0], e[1]);
+    let hi = pair(e[2], e[3]);
+    let v = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi);
+    // SAFETY: REVERSE is exactly 32 bytes (one unaligned 256-bit load).
+    let rev = unsafe { _mm256_loadu_si256(REVERSE.as_ptr() as *const __m256i) };
+    let d = _mm256_sub_epi8(_mm256_shuffle_epi8(v, rev), _mm256_set1_epi8(b'0' as i8));
+    // 0xFF where the byte is not a digit (d >= 10 unsigned).
+    let nd = _mm256_cmpeq_epi8(_mm256_max_epu8(d, _mm256_set1_epi8(10)), d);
+    // Per lane, the bits below the lowest non-digit byte (all of them when
+    // the lane is eight digits): (nd - 1) & !nd.
+    let keep = _mm256_andnot_si256(nd, _mm256_sub_epi64(nd, _mm256_set1_epi64x(1)));
+    let d = _mm256_and_si256(d, keep);
+    let d = _mm256_maddubs_epi16(d, _mm256_set1_epi16(0x0A01));
+    _mm256_madd_epi16(d, _mm256_set1_epi32(0x0064_0001))
+}
+
+/// Two [`quads4`] results to eight u32 values in order (`a`'s four, then
+/// `c`'s): the 4-digit halves (<= 9999) are packed to 16 bits and combined
+/// as high * 10000 + low with one `madd`.
+#[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
+fn finish8(a: __m256i, c: __m256i) -> __m256i {
+    // Per 128-bit half: a's two numbers, then c's two.
+    let v = _mm256_madd_epi16(_mm256_packus_epi32(a, c), _mm256_set1_epi32(0x2710_0001));
+    _mm256_permute4x64_epi64::<0xD8>(v)
+}
+
+/// Each step classifies the 64 bytes at an element start `p` and keeps the
+/// part up to the last comma before the first byte that breaks the shape:
+/// every number in it is complete and followed by `,` or `, `. Each number's
+/// last digit is a bit of one mask; GROUP at a time they are converted from
+/// 8-byte windows that end at those digits ([`quads4`], [`finish8`]) and stored straight
+/// into reserved capacity. The next step starts just past the part's last
+/// comma, so a number never straddles two steps.
+///
+/// A part with a number of more than 8 digits or a leading zero is converted
+/// one number at a time, exactly; a step with no complete number before the
+/// first odd byte (other whitespace, the array's end, an error) ends the run
+/// at `p`, and the scalar loop takes that element.
+#[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
+pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize) -> usize {
+    let mut p = i;
+    if p < BEHIND {
+        return p;
+    }
+    while p + MARGIN <= b.len() && out.len() + SLOTS <= max {
+        // The next step's start depends on this block (through the last
+        // comma), so a cache miss here stalls the whole chain: ask for the
+        // line PREFETCH bytes ahead (a hint; it never faults).
+        _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(p + PREFETCH) as *const i8);
+        let [digit, comma, space, zero] = classify(b, p);
+        // Every comma follows a digit, every space a comma, except a space
+        // at bit 0: `p` is an element start (the byte before it is `[`, `,`
+        // or whitespace), so that one is whitespace before an element.
+        let bad =
+            !(digit | comma | space) | (comma & !(digit << 1)) | (space & !((comma << 1) | 1));
+        // The part ends at the last comma; the next step's start depends
+        // on the comma mask alone (not on `bad`), which keeps the chain
+        // from step to step short.
+        let mut last = 63usize.wrapping_sub(comma.leading_zeros() as usize);
+        if comma == 0 || bad & (u64::MAX >> (63 - last)) != 0 {
+            // Only the part before the first bad byte (the array's end,
+            // other whitespace, an error) is the common shape.
+            let clean = bad.wrapping_sub(1) & !bad;
+            let commas = comma & clean;
+            if commas == 0 {
+                break;
+            }
+            last = 63 - commas.leading_zeros() as usize;
+        }
+        // Bits 0..=last: the part of the block whose numbers are complete.
+        let part = u64::MAX >> (63 - last);
+        let starts = digit & !(digit << 1) & part;
+        let mut ends = digit & (comma >> 1) & part;
+        let n = ends.count_ones() as usize;
+        // A run of 9+ digits starts where 9 digit bits in a row begin.
+        let d2 = digit & (digit >> 1);
+        let d4 = d2 & (d2 >> 2);
+        let d9 = d4 & (d4 >> 4) & (digit >> 8);
+        let odd = ((d9 | (zero & (digit >> 1) & starts)) & part) != 0;
+        out.reserve(SPARE);
+        let base = out.len();
+        // SAFETY: `reserve(SPARE)` guarantees SPARE spare slots past `len`.
+        let dst = unsafe { out.as_mut_ptr().add(base) };
+        if !odd {
+            // The first 12 numbers unconditionally: a count that varies
+            // from step to step (about ten realistic ids per step) would
+            // cost a mispredicted branch per step.
+            let q0 = quads4(b, p, &mut ends);
+            let q1 = quads4(b, p, &mut ends);
+            let q2 = quads4(b, p, &mut ends);
+            let v01 = finish8(q0, q1);
+            let v2 = _mm256_castsi256_si128(finish8(q2, q2));
+            // SAFETY: slots base..base + 12 are reserved (SPARE >= 12);
+            // unaligned stores.
+            unsafe {
+                _mm256_storeu_si256(dst as *mut __m256i, v01);
+                _mm_storeu_si128(dst.add(8) as *mut __m128i, v2);
+            }
+            let mut k = 12;
+            while k < n {
+                let q0 = quads4(b, p, &mut ends);
+                let q1 = quads4(b, p, &mut ends);
+                // SAFETY: k + 8 <= SPARE (k < n <= 32, k = 12 + 8j), reserved
+                // above; unaligned store.
+                unsafe { _mm256_storeu_si256(dst.add(k) as *mut __m256i, finish8(q0, q1)) };
+                k += 8;
+            }
+        } else {
+            // Exact, in order: the first element of another shape ends the
+            // run with the elements before it kept.
+            let mut rest = starts;
+            let mut k = 0;
+            while rest != 0 {
+                let at = rest.trailing_zeros() as usize;
+                rest &= rest - 1;
+                let q = p + at;
+                let len = (!digit >> at).trailing_zeros() as usize;
+                // q + 10 <= p + MARGIN <= b.len() for digits_value.
+                let Some(value) = exact_u32(b, q, len) else {
+                    // SAFETY: slots base..base + k were written below.
+                    unsafe { out.set_len(base + k) };
+                    return q;
+                };
+                // SAFETY: k < n <= SLOTS, reserved above.
+                unsafe { dst.add(k).write(value) };
+                k += 1;
+            }
+        }
+        // SAFETY: slots base..base + n were written above.
+        unsafe { out.set_len(base + n) };
+        p += last + 1;
+    }
+    p
 }

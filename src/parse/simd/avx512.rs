@@ -20,7 +20,7 @@
 // Target-feature intrinsics and raw stores into reserved capacity.
 #![allow(unsafe_code)]
 
-use super::{exact_u32, Run};
+use super::exact_u32;
 use std::arch::x86_64::*;
 
 /// Bytes loaded per step (one bit each in a u64 mask).
@@ -77,7 +77,7 @@ fn load(a: &[u8; 64]) -> __m512i {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vbmi2,bmi1,lzcnt,popcnt")]
-pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize) -> Run {
+pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize) -> usize {
     let zero_c = _mm512_set1_epi8(b'0' as i8);
     let comma_c = _mm512_set1_epi8(b',' as i8);
     let space_c = _mm512_set1_epi8(b' ' as i8);
@@ -171,7 +171,7 @@ pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize)
                 let Some(value) = exact_u32(b, q, len) else {
                     // SAFETY: slots base..base + k were written below.
                     unsafe { out.set_len(base + k) };
-                    return Run::Bail(q);
+                    return q;
                 };
                 // SAFETY: k < n <= SLOTS, reserved above.
                 unsafe { dst.add(k).write(value) };
@@ -182,5 +182,5 @@ pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize)
         unsafe { out.set_len(base + n) };
         p += last + 1;
     }
-    Run::Bail(p)
+    p
 }

@@ -1,41 +1,36 @@
-//! The vector runs over token arrays: the only `unsafe` in the parser. The
-//! AVX-512 run (`avx512.rs`, described there) is used where the CPU has it;
-//! this header describes the AVX2 run, which has the same contract.
+//! The vector runs over token arrays: the only `unsafe` in the parser. Both
+//! runs (`avx512.rs`, `avx2.rs`) have one contract and one method.
 //!
 //! [`u32_run`] starts at the first byte of an array element and converts
 //! elements while they have the common shape: 1 to 10 digits, no leading zero,
-//! value <= `u32::MAX`, followed by `,` / `, ` or by `]`. It walks FIXED
-//! 64-byte blocks from its start, so a block's loads and masks never wait for
-//! the previous block's numbers: the only state carried across a boundary is
-//! whether the last byte was a digit / a comma and the start of a number that
-//! straddles it. Per block, AVX2 compares give bit masks of digits, commas,
-//! spaces and zeros; the masks prove the separators valid for the whole block
-//! (every comma follows a digit, every space follows a comma, nothing else),
-//! each number start is a bit, its length a `trailing_zeros`, and four numbers
-//! at a time are converted in one vector (`maddubs`/`madd`/`mul_epu32` on one
-//! 8-byte window per lane) and stored straight into reserved capacity. Blocks
-//! that are not that clean (other whitespace, the array's end) go element by
-//! element (SWAR on one 8-byte load). At the first element of any other shape
-//! (leading zero, > 8 digits goes to an exact check first, sign, `.`, ...) the
-//! run returns [`Run::Bail`] with the position of that element, and the scalar
-//! loop in [`super::numbers`] (which this module is tested against) parses it
-//! and reports the exact error.
+//! value <= `u32::MAX`, followed by `,` / `, ` or by `]`. Each step classifies
+//! the 64 bytes at an element start into bit masks (digits, commas, spaces,
+//! zeros), proves the part up to the last comma clean (every comma follows a
+//! digit, every space follows a comma, nothing else), so that every number in
+//! it is complete, and converts those numbers from their start / end bits
+//! without a per-digit loop. The next step starts just past that comma, so a
+//! number never straddles two steps. The AVX-512 run packs the bit positions
+//! with `vpcompressb` and gathers eight numbers' digits with `vpermb`; the
+//! AVX2 run takes each number's last-digit offset with `tzcnt`, loads the
+//! 8-byte window that ends there, and zeroes each lane below its highest
+//! non-digit byte (the separator), four numbers per vector. Both convert with
+//! `maddubs`/`madd`/`mul_epu32` and store straight into reserved capacity.
 //!
-//! Invariants: no read past the body (whole-chunk loads only while
-//! `p + MARGIN <= b.len()`, everything else bounds-checked); an element is
-//! kept (`set_len`) only once it is known valid; the run never pushes past
-//! `max` elements.
+//! A part with a number of more than 8 digits or a leading zero is converted
+//! one number at a time, exactly ([`exact_u32`]). At the first element of any
+//! other shape (sign, `.`, other whitespace, the array's end, ...) the run
+//! returns the position of that element, and the scalar
+//! loop in [`super::numbers`] (the twin every run is tested against) parses
+//! it and reports the exact error.
+//!
+//! Invariants: no read past the body (whole-block loads only while
+//! `p + MARGIN <= b.len()`, everything else bounds-checked; the AVX2 windows
+//! read up to 7 bytes before a step start, which it keeps at least 8 bytes
+//! into the body); an element is kept (`set_len`) only once it is known
+//! valid; the run never pushes past `max` elements.
 
 // Calls the AVX2 and AVX-512 runs (target-feature fns) once detection proved the CPU has them.
 #![allow(unsafe_code)]
-
-/// Where a vector run (AVX2 or AVX-512) stopped.
-pub(crate) enum Run {
-    /// The array ended; the offset is just past its `]`.
-    Done(usize),
-    /// Resume the scalar loop at this element start.
-    Bail(usize),
-}
 
 /// Are AVX2 (and the BMI1/LZCNT/POPCNT bit tricks the run uses) available
 /// on this CPU? Detected once, then a relaxed load.
@@ -122,10 +117,11 @@ impl Vector {
 }
 
 /// Converts common-shape elements starting at `i` (an element start) into
-/// `out` until the array ends, an element of another shape appears, the body
-/// is too close to its end for whole-chunk loads, or `out` reaches `max`.
+/// `out` until an element of another shape (or the array's end) appears,
+/// the body is too close to its end for whole-block loads, or `out` nears
+/// `max`; returns the element start where the scalar loop resumes.
 #[inline]
-pub(crate) fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize, v: Vector) -> Run {
+pub(crate) fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize, v: Vector) -> usize {
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: a `Vector` exists only once its features were detected at
@@ -142,7 +138,7 @@ pub(crate) fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize, v: Vec
     {
         // Unreachable: `Vector::detect` gives `None` off x86-64.
         let _ = (b, out, max, v);
-        Run::Bail(i)
+        i
     }
 }
 
