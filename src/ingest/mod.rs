@@ -32,4 +32,4 @@ pub use spec::{
     validate_endpoint, validate_kv_endpoint, EndpointError, EndpointProblem, IngestConfig,
     ListenerSpec,
 };
-pub use stats::{IngestCounters, IngestStats, ListenerState, ListenerStats};
+pub use stats::{Delays, IngestCounters, IngestStats, ListenerState, ListenerStats};
