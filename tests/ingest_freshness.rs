@@ -352,3 +352,72 @@ fn a_replayed_gap_counts_one_gap_and_one_replay() {
         Some(4.0)
     );
 }
+
+#[test]
+fn a_gap_waiting_for_its_replay_shows_in_the_queue_until_it_is_given_up() {
+    let server = Binary::start(&[]);
+    let addr = server.addr;
+    let ctx = zmq::Context::new();
+    // A replay endpoint that accepts the request and never answers.
+    let silent = ctx.socket(zmq::ROUTER).unwrap();
+    silent.set_linger(0).unwrap();
+    silent.bind("tcp://127.0.0.1:0").unwrap();
+    silent.set_rcvtimeo(WAIT.as_millis() as i32).unwrap();
+    let replay = silent.get_last_endpoint().unwrap().unwrap();
+    let publisher = Publisher::bind();
+    register(addr, 3, &publisher.endpoint, Some(&replay));
+    publisher.wait_subscriber();
+
+    publisher.send(0, &batch(0, now_ts()));
+    wait_for("seq 0 applied", || stream(addr, 3)["last_seq"] == 0);
+    // Seq 1 is missed: seq 2 waits, received but unapplied, for the replay.
+    publisher.send(2, &batch(2, now_ts()));
+    wait_for("replaying", || stream(addr, 3)["state"] == "replaying");
+    let s = stream(addr, 3);
+    assert_eq!(s["queued_batches"], 1, "{s}");
+    assert_eq!(s["last_seq"], 0, "{s}");
+    assert_eq!(s["gaps"], 1, "{s}");
+    let text = get(addr, "/metrics");
+    assert_eq!(
+        metric(
+            &text,
+            "kvselect_kv_stream_queued_batches",
+            "worker_id=\"3\""
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&text, "kvselect_ingest_queued_batches", ""),
+        Some(1.0)
+    );
+    let silent_req = silent.recv_multipart(0).expect("replay request");
+    assert_eq!(silent_req.len(), 3);
+
+    // The replay times out (2 s): the gap is given up, seq 2 applies and
+    // its receipt-to-application delay shows the wait.
+    wait_for("replay given up", || {
+        let s = stream(addr, 3);
+        s["last_seq"] == 2 && s["state"] == "live"
+    });
+    let s = stream(addr, 3);
+    assert_eq!(s["queued_batches"], 0, "{s}");
+    assert_eq!(
+        (s["gaps"].clone(), s["replays"].clone()),
+        (json!(1), json!(0))
+    );
+    let text = get(addr, "/metrics");
+    assert_eq!(
+        metric(&text, "kvselect_ingest_queued_batches", ""),
+        Some(0.0)
+    );
+    let waited = metric(
+        &text,
+        "kvselect_ingest_apply_delay_seconds_bucket",
+        "le=\"1\"",
+    );
+    assert_eq!(waited, Some(1.0), "only seq 0 applied within 1 s:\n{text}");
+    assert_eq!(
+        metric(&text, "kvselect_ingest_apply_delay_seconds_count", ""),
+        Some(2.0)
+    );
+}
