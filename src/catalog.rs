@@ -152,6 +152,18 @@ pub struct KvStream {
     pub last_seq: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Seconds since the newest batch was applied (`null` before the first).
+    pub last_applied_age_seconds: Option<f64>,
+    /// Seconds from the newest applied batch's own `ts` to its application
+    /// (engine clock to ours; `null` without a usable `ts`).
+    pub engine_delay_seconds: Option<f64>,
+    /// Batches received but not yet applied.
+    pub queued_batches: u64,
+    /// Sequence gaps seen, replays completed, and messages dropped as
+    /// malformed on this stream since it started.
+    pub gaps: u64,
+    pub replays: u64,
+    pub malformed: u64,
 }
 
 impl WorkerRecord {
@@ -365,6 +377,12 @@ impl Catalog {
                 state: l.state,
                 last_seq: l.last_seq,
                 error: l.error,
+                last_applied_age_seconds: l.last_applied_age.map(|d| d.as_secs_f64()),
+                engine_delay_seconds: l.engine_delay,
+                queued_batches: l.queued,
+                gaps: l.gaps,
+                replays: l.replays,
+                malformed: l.malformed,
             });
         }
         for w in &mut out {

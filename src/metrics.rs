@@ -536,6 +536,50 @@ fn state_registry(app: &App) -> Registry {
         "Last applied KV-event sequence number per worker rank (absent before the first batch).",
         &stream,
     );
+    let age = gauge_vec(
+        "kvselect_kv_stream_last_applied_age_seconds",
+        "Seconds since the newest KV-event batch of the worker rank was applied (absent before the first batch).",
+        &stream,
+    );
+    let engine_delay = gauge_vec(
+        "kvselect_kv_stream_engine_delay_seconds",
+        "Seconds from the newest applied batch's own timestamp to its application, per worker rank (absent without a timestamp; negative when the engine's clock is ahead).",
+        &stream,
+    );
+    let queued = int_gauge_vec(
+        "kvselect_kv_stream_queued_batches",
+        "KV-event batches received but not yet applied, per worker rank.",
+        &stream,
+    );
+    let stream_counter = |name: &str, help: &str| {
+        registered(
+            &r,
+            IntCounterVec::new(Opts::new(name, help), &stream).expect("valid"),
+        )
+    };
+    let gaps = stream_counter(
+        "kvselect_kv_stream_gaps_total",
+        "Sequence gaps seen on the worker rank's KV-event stream.",
+    );
+    let replays = stream_counter(
+        "kvselect_kv_stream_replays_total",
+        "Gap replays completed on the worker rank's KV-event stream.",
+    );
+    let malformed = stream_counter(
+        "kvselect_kv_stream_malformed_total",
+        "Messages of the worker rank's KV-event stream dropped because they failed to decode.",
+    );
+    let queued_total = registered(
+        &r,
+        IntGauge::new(
+            "kvselect_ingest_queued_batches",
+            "KV-event batches received but not yet applied, all streams.",
+        )
+        .expect("valid"),
+    );
+    let delays = app.catalog.hub().delays();
+    registered(&r, delays.apply.clone());
+    registered(&r, delays.engine.clone());
     for l in &stats.listeners {
         let (mut w, mut d) = (itoa::Buffer::new(), itoa::Buffer::new());
         let (w, d) = (w.format(l.worker_id), d.format(l.dp_rank));
@@ -552,6 +596,19 @@ fn state_registry(app: &App) -> Registry {
         if let Some(seq) = l.last_seq {
             last_seq.with_label_values(&[w, d]).set(seq as f64);
         }
+        if let Some(a) = l.last_applied_age {
+            age.with_label_values(&[w, d]).set(a.as_secs_f64());
+        }
+        if let Some(e) = l.engine_delay {
+            engine_delay.with_label_values(&[w, d]).set(e);
+        }
+        queued
+            .with_label_values(&[w, d])
+            .set(l.queued.min(i64::MAX as u64) as i64);
+        queued_total.add(l.queued.min(i64::MAX as u64) as i64);
+        gaps.with_label_values(&[w, d]).inc_by(l.gaps);
+        replays.with_label_values(&[w, d]).inc_by(l.replays);
+        malformed.with_label_values(&[w, d]).inc_by(l.malformed);
     }
     r
 }

@@ -276,8 +276,13 @@ fn register_delete_cycles_leak_no_fd() {
 #[test]
 fn stream_open_failure_is_visible_and_logged_once() {
     // With 3,200 descriptors and --max-connections 1000 the context gets
-    // libzmq's floor of 1,023 sockets: 1,019 streams (4 are doorbells).
-    let server = Binary::start_limited(&["--max-connections", "1000"], &[], Some(3200));
+    // libzmq's floor of 1,023 sockets: 1,019 streams (4 are the doorbells
+    // of 2 ingest threads; the default is 4 threads).
+    let server = Binary::start_limited(
+        &["--max-connections", "1000", "--threads", "2"],
+        &[],
+        Some(3200),
+    );
     let addr = server.addr;
     let ranks = 1030u32;
     let eps: serde_json::Map<String, Value> = (0..ranks)

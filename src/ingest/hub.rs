@@ -19,15 +19,15 @@ use super::listener::Listener;
 use super::poll::{Cmd, Env, Thread};
 use super::spec::{IngestConfig, ListenerSpec};
 use super::stats::{
-    inc, state_code, state_of, Counters, IngestStats, ListenerState, ListenerStats, Shared, NO_SEQ,
+    inc, state_of, Counters, Delays, IngestStats, ListenerState, ListenerStats, Shared, NO_SEQ,
 };
 use super::zctx::{Ctx, Socket};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{self, Sender, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long the hub waits for a thread to acknowledge a command.
 const ACK_TIMEOUT: Duration = Duration::from_secs(10);
@@ -62,6 +62,7 @@ pub struct IngestHub {
     threads: Vec<Worker>,
     registry: Mutex<Registry>,
     counters: Arc<Counters>,
+    delays: Delays,
     config: IngestConfig,
 }
 
@@ -76,6 +77,7 @@ impl IngestHub {
     pub fn new(config: IngestConfig) -> IngestHub {
         let (ctx, max_sockets) = Ctx::new(config.max_sockets);
         let counters = Arc::new(Counters::default());
+        let delays = Delays::new();
         let hub_id = HUB_SEQ.fetch_add(1, Relaxed);
         let n = config.threads.max(1);
         let mut threads = Vec::with_capacity(n);
@@ -94,6 +96,8 @@ impl IngestHub {
                 Env {
                     ctx: ctx.clone(),
                     counters: counters.clone(),
+                    apply_delay: delays.apply.local(),
+                    engine_delay: delays.engine.local(),
                     config: config.clone(),
                 },
                 rx,
@@ -117,8 +121,15 @@ impl IngestHub {
                 ..Registry::default()
             }),
             counters,
+            delays,
             config,
         }
+    }
+
+    /// The hub-wide receipt-to-application and engine-to-index delay
+    /// histograms (shared handles: register them in a scrape's registry).
+    pub fn delays(&self) -> &Delays {
+        &self.delays
     }
 
     /// ZMQ_MAX_SOCKETS in force, and how many KV-event streams fit in it
@@ -176,19 +187,27 @@ impl IngestHub {
 
     pub fn stats(&self) -> IngestStats {
         let reg = lock(&self.registry);
+        let now = Instant::now();
         let mut listeners: Vec<ListenerStats> = reg
             .workers
             .iter()
             .flat_map(|(&worker_id, v)| {
                 v.iter().map(move |a| {
-                    let seq = a.shared.last_seq.load(Relaxed);
+                    let sh = &a.shared;
+                    let seq = sh.last_seq.load(Relaxed);
                     ListenerStats {
                         worker_id,
                         dp_rank: a.spec.dp_rank,
                         endpoint: a.spec.endpoint.clone(),
-                        state: state_of(a.shared.state.load(Relaxed)),
+                        state: state_of(sh.state.load(Relaxed)),
                         last_seq: (seq != NO_SEQ).then_some(seq),
-                        error: lock(&a.shared.error).clone(),
+                        error: lock(&sh.error).clone(),
+                        last_applied_age: sh.applied_age(now),
+                        engine_delay: sh.engine_delay(),
+                        queued: sh.queued.load(Relaxed),
+                        gaps: sh.gaps.load(Relaxed),
+                        replays: sh.replays.load(Relaxed),
+                        malformed: sh.malformed.load(Relaxed),
                     }
                 })
             })
@@ -208,11 +227,7 @@ impl IngestHub {
             .min_by_key(|&i| reg.load[i])
             .unwrap_or(0);
         reg.load[thread] += 1;
-        let shared = Arc::new(Shared {
-            state: AtomicU8::new(state_code(ListenerState::Connecting)),
-            last_seq: AtomicU64::new(NO_SEQ),
-            error: Mutex::new(None),
-        });
+        let shared = Arc::new(Shared::new(ListenerState::Connecting));
         let listener = Listener::new(id, worker_id, spec.clone(), shared.clone(), &self.config);
         self.send(thread, |ack| Cmd::Add(Box::new(listener), ack));
         inc(&self.counters.listeners_started);

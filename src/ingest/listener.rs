@@ -7,18 +7,31 @@
 //! decides (apply, drop, replay, clear on restart), counting each outcome.
 //! Does not: decide from sequence numbers itself (`sequence.rs`), poll
 //! (`poll.rs`), or outlive its thread's command to stop.
+//!
+//! Reading and applying are two steps: [`Listener::fill_sub`] reads up to
+//! `max_msgs_per_round` live messages off the SUB socket, decodes them and
+//! queues them in the listener's inbox stamped with the time they were
+//! read; [`Listener::apply_inbox`] then applies the inbox in order. The poll
+//! loop runs the first step for every ready listener of its thread before
+//! the second, so a batch's receipt-to-application delay includes the time
+//! it waited for the thread's other streams: that is the in-process
+//! backlog, published as the stream's `queued` count and the delay
+//! histogram. (Messages libzmq holds but nobody has read yet are invisible
+//! in-process; the engine-to-index delay from the batch's `ts` covers them.)
+//! While a replay runs the inbox waits, as the live stream always did.
 
 use super::apply::{Applier, ApplyCounts};
 use super::decode::{decode_batch, decode_message, decode_replay_reply, KvBatch, ReplayReply};
 use super::poll::Env;
 use super::sequence::{Catchup, LiveAction, ReplayTiming, Sequence};
 use super::spec::{IngestConfig, ListenerSpec};
-use super::stats::{inc, state_code, Counters, ListenerState, Shared};
+use super::stats::{inc, state_code, ListenerState, Shared};
 use super::zctx::{Ctx, Socket};
+use std::collections::VecDeque;
 use std::os::fd::RawFd;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Which socket of a listener is in the poll set.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -85,6 +98,13 @@ impl Frames {
     }
 }
 
+/// A batch read off a socket and not yet applied.
+pub(super) struct Held {
+    /// When it was read.
+    at: Instant,
+    batch: KvBatch,
+}
+
 pub(super) struct Listener {
     pub(super) id: u64,
     spec: ListenerSpec,
@@ -97,7 +117,9 @@ pub(super) struct Listener {
     failing: bool,
     dealer: Option<Socket>,
     /// Cursor, restart detection, the replay in progress and its backoff.
-    seq: Sequence<KvBatch>,
+    seq: Sequence<Held>,
+    /// Live messages read and decoded, not yet applied (module docs).
+    inbox: VecDeque<(u64, Held)>,
     applier: Applier,
     shared: Arc<Shared>,
     /// The socket in this round's poll set (kind and descriptor), set when
@@ -131,6 +153,7 @@ impl Listener {
                 backoff_min: config.reconnect_min,
                 backoff_max: config.reconnect_max,
             }),
+            inbox: VecDeque::new(),
             shared,
             polled: (Watch::None, None),
             hot: false,
@@ -177,6 +200,20 @@ impl Listener {
         self.sub = None;
         self.dealer = None;
         self.seq.abandon();
+        self.inbox.clear();
+        self.publish_queued();
+    }
+
+    /// Whether the inbox has batches that may be applied now.
+    pub(super) fn ready(&self) -> bool {
+        !self.inbox.is_empty() && !self.seq.replaying()
+    }
+
+    /// Publishes the received-but-unapplied count: the inbox and the live
+    /// batch parked while a replay runs.
+    fn publish_queued(&self) {
+        let n = self.inbox.len() + usize::from(self.seq.replaying());
+        self.shared.queued.store(n as u64, Relaxed);
     }
 
     /// Clears every rank this listener fed (it stops, or its source changed).
@@ -228,21 +265,28 @@ impl Listener {
         }
     }
 
-    /// Reads and applies up to `max_msgs_per_round` messages; true when the
-    /// SUB was read until it had none left.
-    pub(super) fn drain_sub(&mut self, frames: &mut Frames, env: &Env) -> bool {
-        for _ in 0..env.config.max_msgs_per_round {
-            // A replay started by the previous message parks the SUB.
-            if self.seq.replaying() {
-                return false;
-            }
-            let Some(sub) = &self.sub else { return false };
+    /// Reads and decodes live messages into the inbox until it holds
+    /// `max_msgs_per_round`; true when the SUB was read until it had none
+    /// left. Applies nothing (see [`Listener::apply_inbox`]).
+    pub(super) fn fill_sub(&mut self, frames: &mut Frames, env: &Env) -> bool {
+        // A replay parks the SUB: its messages wait in the socket.
+        if self.seq.replaying() {
+            return false;
+        }
+        let Some(sub) = &self.sub else { return false };
+        let at = Instant::now();
+        let before = self.inbox.len();
+        let mut emptied = false;
+        while self.inbox.len() < env.config.max_msgs_per_round {
             match frames.recv(sub) {
                 Ok(true) => {}
-                Ok(false) => return true,
+                Ok(false) => {
+                    emptied = true;
+                    break;
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "KV-events recv failed");
-                    return false;
+                    break;
                 }
             }
             inc(&env.counters.messages);
@@ -253,18 +297,34 @@ impl Listener {
                 decode_message(&f[..n]).map_err(Some)
             };
             match msg {
-                Ok(m) => self.on_live(m.seq, m.batch, env),
+                Ok(m) => self.inbox.push_back((m.seq, Held { at, batch: m.batch })),
                 Err(e) => {
                     inc(&env.counters.malformed);
+                    inc(&self.shared.malformed);
                     tracing::debug!(worker = self.applier.worker_id(), error = ?e,
                         frames = n + frames.extra, "malformed KV-event message dropped");
                 }
             }
         }
-        false
+        if self.inbox.len() != before {
+            self.publish_queued();
+        }
+        emptied
     }
 
-    fn on_live(&mut self, seq: u64, batch: KvBatch, env: &Env) {
+    /// Applies the inbox in order until it is empty or a gap starts a
+    /// replay (the rest waits for the replay's end).
+    pub(super) fn apply_inbox(&mut self, env: &Env) {
+        while !self.seq.replaying() {
+            let Some((seq, held)) = self.inbox.pop_front() else {
+                break;
+            };
+            self.on_live(seq, held, env);
+        }
+        self.publish_queued();
+    }
+
+    fn on_live(&mut self, seq: u64, held: Held, env: &Env) {
         let live = self.seq.live(seq);
         if live.restart {
             // A PUB delivers in order, so a non-increasing seq on the live
@@ -274,27 +334,41 @@ impl Listener {
             self.applier.clear_all(&self.spec.index);
         }
         match live.action {
-            LiveAction::Apply => self.apply(seq, &batch, &env.counters),
+            LiveAction::Apply => self.apply(seq, &held, env),
             LiveAction::Stale => inc(&env.counters.stale_dropped),
             LiveAction::Gap { expected } => {
                 inc(&env.counters.gaps);
-                self.start_replay(expected, seq, batch, env);
+                inc(&self.shared.gaps);
+                self.start_replay(expected, seq, held, env);
             }
         }
     }
 
-    fn apply(&mut self, seq: u64, batch: &KvBatch, counters: &Counters) {
+    fn apply(&mut self, seq: u64, held: &Held, env: &Env) {
+        let counters = &env.counters;
         let mut c = ApplyCounts::default();
-        self.applier.apply(&self.spec.index, batch, &mut c);
+        self.applier.apply(&self.spec.index, &held.batch, &mut c);
         counters.add_apply(&c);
         inc(&counters.batches_applied);
         self.seq.applied(seq);
         self.shared.last_seq.store(seq, Relaxed);
+        let now = Instant::now();
+        env.apply_delay
+            .observe(now.saturating_duration_since(held.at).as_secs_f64());
+        let ts = held.batch.ts;
+        let engine_delay = (ts.is_finite() && ts > 0.0)
+            .then(|| SystemTime::now().duration_since(UNIX_EPOCH).ok())
+            .flatten()
+            .map(|wall| wall.as_secs_f64() - ts);
+        if let Some(d) = engine_delay {
+            env.engine_delay.observe(d.max(0.0));
+        }
+        self.shared.applied(now, engine_delay);
     }
 
     /// Asks the replay endpoint for `[expected, ..)`; without one (or while
     /// backing off after a failure) the gap is lost and `batch` applies now.
-    fn start_replay(&mut self, expected: u64, seq: u64, batch: KvBatch, env: &Env) {
+    fn start_replay(&mut self, expected: u64, seq: u64, held: Held, env: &Env) {
         let now = Instant::now();
         let backing_off = !self.seq.may_replay(now);
         if let (Some(ep), false, None) = (&self.spec.replay_endpoint, backing_off, &self.dealer) {
@@ -317,11 +391,11 @@ impl Listener {
                 tracing::debug!(expected, seq, "no replay endpoint configured; batches lost");
             }
             inc(&env.counters.gaps_lost);
-            self.apply(seq, &batch, &env.counters);
+            self.apply(seq, &held, env);
             return;
         }
         inc(&env.counters.replays_started);
-        self.seq.replay_sent(now, seq, batch);
+        self.seq.replay_sent(now, seq, held);
         self.set_state();
     }
 
@@ -346,7 +420,8 @@ impl Listener {
                     return false;
                 }
             }
-            self.seq.replay_reply(Instant::now());
+            let at = Instant::now();
+            self.seq.replay_reply(at);
             let (f, n) = frames.slices();
             let reply = if frames.extra > 0 {
                 None
@@ -369,17 +444,21 @@ impl Listener {
                         Catchup::Apply { lost: false } => {}
                     }
                     match decode_batch(payload) {
-                        Ok(b) => {
-                            self.apply(seq, &b, counters);
+                        Ok(batch) => {
+                            self.apply(seq, &Held { at, batch }, env);
                             inc(&counters.replayed_batches);
                         }
                         Err(_) => {
                             inc(&counters.malformed);
+                            inc(&self.shared.malformed);
                             self.seq.applied(seq);
                         }
                     }
                 }
-                None => inc(&counters.malformed),
+                None => {
+                    inc(&counters.malformed);
+                    inc(&self.shared.malformed);
+                }
             }
         }
         false
@@ -392,6 +471,7 @@ impl Listener {
         };
         if ok {
             inc(&env.counters.replays_completed);
+            inc(&self.shared.replays);
         } else {
             inc(&env.counters.replays_failed);
             // Late replies on the old socket would confuse the next replay.
@@ -403,10 +483,11 @@ impl Listener {
                 if lost {
                     inc(&env.counters.gaps_lost);
                 }
-                self.apply(done.seq, &done.batch, &env.counters);
+                self.apply(done.seq, &done.batch, env);
             }
         }
         self.set_state();
+        self.publish_queued();
     }
 }
 

@@ -10,7 +10,7 @@
 //! | `poll.rs` | one ingest thread: the poll loop over its listeners' sockets |
 //! | `listener.rs` | one stream's sockets, reading, replay requests, applying |
 //! | `sequence.rs` | the sequence rules (gaps, replay, stale, restarts) as a pure state machine |
-//! | `stats.rs` | counters and the `stats()` snapshot |
+//! | `stats.rs` | counters, per-stream freshness, the delay histograms and the `stats()` snapshot |
 //!
 //! Ingestion never decides routing; it only keeps the index in step with what
 //! each engine reports.
@@ -32,4 +32,4 @@ pub use spec::{
     validate_endpoint, validate_kv_endpoint, EndpointError, EndpointProblem, IngestConfig,
     ListenerSpec,
 };
-pub use stats::{IngestCounters, IngestStats, ListenerState, ListenerStats};
+pub use stats::{Delays, IngestCounters, IngestStats, ListenerState, ListenerStats};

@@ -12,6 +12,7 @@
 use super::listener::{Frames, Listener, Watch};
 use super::spec::IngestConfig;
 use super::stats::Counters;
+use prometheus::local::LocalHistogram;
 use std::os::fd::RawFd;
 use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::Arc;
@@ -32,6 +33,10 @@ pub(super) enum Cmd {
 pub(super) struct Env {
     pub(super) ctx: super::zctx::Ctx,
     pub(super) counters: Arc<Counters>,
+    /// This thread's copies of the hub's delay histograms, flushed once per
+    /// round (`stats.rs`).
+    pub(super) apply_delay: LocalHistogram,
+    pub(super) engine_delay: LocalHistogram,
     pub(super) config: IngestConfig,
 }
 
@@ -89,7 +94,7 @@ impl Thread {
             let any_hot = self
                 .listeners
                 .iter()
-                .any(|l| l.hot && l.polled.0 != Watch::None);
+                .any(|l| (l.hot && l.polled.0 != Watch::None) || l.ready());
             // Round up so a 0.4 ms deadline does not spin at 0 ms.
             let ms = if any_hot {
                 0
@@ -128,10 +133,20 @@ impl Thread {
                     .is_some_and(|ev| ev.contains(zmq::POLLIN));
                 l.hot = readable
                     && !match w {
-                        Watch::Sub => l.drain_sub(&mut frames, &self.env),
+                        Watch::Sub => l.fill_sub(&mut frames, &self.env),
                         _ => l.drain_dealer(&mut frames, &self.env),
                     };
             }
+            // Every stream of the thread is read before any is applied, so
+            // the receipt-to-application delay counts the wait for the
+            // thread's other streams (`listener.rs`).
+            for l in &mut self.listeners {
+                if l.ready() {
+                    l.apply_inbox(&self.env);
+                }
+            }
+            self.env.apply_delay.flush();
+            self.env.engine_delay.flush();
             if fired(0) || sweep {
                 let _ = self.doorbell.get_events();
                 while self.doorbell.recv_bytes(zmq::DONTWAIT).is_ok() {}

@@ -4,9 +4,22 @@
 //!
 //! Owns: counting and snapshots. Does not: decide anything (the counters
 //! record what `listener.rs` did).
+//!
+//! Freshness (issue #17 item 1): each listener publishes, in its [`Shared`],
+//! when its newest batch was applied, that batch's engine-to-index delay
+//! (wall clock now minus the batch's own `ts`), how many batches it holds
+//! received but unapplied (its inbox, plus the live batch parked during a
+//! replay), and its own gap, replay and malformed counts: plain relaxed
+//! atomics written by the one thread that owns the listener, read by
+//! `stats()`. The receipt-to-application and engine-to-index delays of every
+//! batch also go into two hub-wide histograms ([`Delays`]); each ingest
+//! thread observes into a thread-local copy and flushes it once per poll
+//! round, so the threads never share a cache line per batch.
 
 use super::apply::ApplyCounts;
+use prometheus::{Histogram, HistogramOpts};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::time::{Duration, Instant};
 
 /// Hub-wide counters (monotonic since start).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -61,6 +74,20 @@ pub struct ListenerStats {
     pub last_seq: Option<u64>,
     /// Why the socket could not be opened (state `Failed`).
     pub error: Option<String>,
+    /// Time since the newest batch was applied (`None` before the first).
+    pub last_applied_age: Option<Duration>,
+    /// Wall-clock delay from the newest applied batch's `ts` to its
+    /// application, seconds (negative when the engine's clock is ahead;
+    /// `None` before the first batch or when the batch had no usable `ts`).
+    pub engine_delay: Option<f64>,
+    /// Batches received but not yet applied.
+    pub queued: u64,
+    /// Sequence gaps seen on this stream.
+    pub gaps: u64,
+    /// Replays of this stream completed.
+    pub replays: u64,
+    /// Messages or replay replies of this stream that failed to decode.
+    pub malformed: u64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -184,6 +211,88 @@ pub(super) struct Shared {
     pub(super) last_seq: AtomicU64,
     /// The open error while the state is `Failed`.
     pub(super) error: std::sync::Mutex<Option<String>>,
+    /// What `applied_at` counts from.
+    epoch: Instant,
+    /// Nanoseconds from `epoch` to the newest application, plus one (0 =
+    /// nothing applied yet).
+    applied_at: AtomicU64,
+    /// `f64` bits of the newest batch's engine delay (NaN = none).
+    engine_delay: AtomicU64,
+    pub(super) queued: AtomicU64,
+    pub(super) gaps: AtomicU64,
+    pub(super) replays: AtomicU64,
+    pub(super) malformed: AtomicU64,
+}
+
+impl Shared {
+    pub(super) fn new(state: ListenerState) -> Shared {
+        Shared {
+            state: AtomicU8::new(state_code(state)),
+            last_seq: AtomicU64::new(NO_SEQ),
+            error: std::sync::Mutex::new(None),
+            epoch: Instant::now(),
+            applied_at: AtomicU64::new(0),
+            engine_delay: AtomicU64::new(f64::NAN.to_bits()),
+            queued: AtomicU64::new(0),
+            gaps: AtomicU64::new(0),
+            replays: AtomicU64::new(0),
+            malformed: AtomicU64::new(0),
+        }
+    }
+
+    /// A batch was applied at `now`, `engine_delay` seconds after its `ts`.
+    pub(super) fn applied(&self, now: Instant, engine_delay: Option<f64>) {
+        let ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
+        self.applied_at.store(ns.saturating_add(1), Relaxed);
+        self.engine_delay
+            .store(engine_delay.unwrap_or(f64::NAN).to_bits(), Relaxed);
+    }
+
+    /// Time since the newest application, as of `now`.
+    pub(super) fn applied_age(&self, now: Instant) -> Option<Duration> {
+        let at = self.applied_at.load(Relaxed).checked_sub(1)?;
+        Some(now.saturating_duration_since(self.epoch + Duration::from_nanos(at)))
+    }
+
+    pub(super) fn engine_delay(&self) -> Option<f64> {
+        Some(f64::from_bits(self.engine_delay.load(Relaxed))).filter(|d| !d.is_nan())
+    }
+}
+
+/// Delay buckets, seconds: an idle stream applies within microseconds of
+/// receipt; the upper buckets are the backlog issue #17 is about.
+const DELAY_BUCKETS: &[f64] = &[
+    0.000_01, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// The hub-wide delay histograms (module docs).
+#[derive(Clone)]
+pub struct Delays {
+    /// From reading a batch off its socket to applying it.
+    pub apply: Histogram,
+    /// From the batch's `ts` (engine wall clock) to applying it; batches
+    /// without a usable `ts` are left out, a negative delay counts as 0.
+    pub engine: Histogram,
+}
+
+impl Delays {
+    pub(super) fn new() -> Delays {
+        let h = |name: &str, help: &str| {
+            Histogram::with_opts(HistogramOpts::new(name, help).buckets(DELAY_BUCKETS.to_vec()))
+                .expect("valid histogram")
+        };
+        Delays {
+            apply: h(
+                "kvselect_ingest_apply_delay_seconds",
+                "Time from reading a KV-event batch off its socket to applying it to the index.",
+            ),
+            engine: h(
+                "kvselect_ingest_engine_delay_seconds",
+                "Time from a KV-event batch's own timestamp (engine clock) to applying it (negative delays count as 0).",
+            ),
+        }
+    }
 }
 
 pub(super) const NO_SEQ: u64 = u64::MAX;
