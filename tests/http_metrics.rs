@@ -7,42 +7,9 @@ mod common;
 mod process;
 
 use common::{start, Publisher};
+use process::promtool;
 use serde_json::json;
-use std::io::Write;
-use std::process::{Command, Stdio};
 use std::time::Duration;
-
-/// Runs `promtool check metrics` on `text`; `None` when promtool is not
-/// installed and this is not CI (`.ci/run` installs it).
-fn promtool(text: &str) -> Option<(bool, String)> {
-    let child = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn();
-    let mut child = match child {
-        Ok(c) => c,
-        Err(e) if std::env::var_os("CI").is_none() => {
-            eprintln!("SKIPPED promtool check: promtool not runnable ({e}); .ci/run installs it");
-            return None;
-        }
-        Err(e) => panic!("promtool is required in CI: {e}"),
-    };
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let msg = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Some((out.status.success(), msg))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_are_prometheus_text_that_promtool_accepts() {

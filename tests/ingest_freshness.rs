@@ -12,11 +12,9 @@ mod process;
 use kvselect::index::Tier;
 use kvselect::ingest::decode::{Group, KvEvent, Stored};
 use kvselect::ingest::encode::{encode_batch, EventForm};
-use process::{request, Binary};
+use process::{promtool, request, Binary};
 use serde_json::{json, Value};
-use std::io::Write;
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const BS: u32 = 16;
@@ -84,6 +82,7 @@ fn batch(key: u64, ts: f64) -> Vec<u8> {
         medium: Tier::Device,
         lora_name: None,
         cache_salt: None,
+        mm_hashes: None,
         group: Group::default(),
     });
     let mut p = Vec::new();
@@ -137,38 +136,6 @@ fn metric(text: &str, name: &str, label: &str) -> Option<f64> {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .collect();
     (!v.is_empty()).then(|| v.iter().sum())
-}
-
-/// `promtool check metrics` on `text`; `None` when promtool is not
-/// installed and this is not CI.
-fn promtool(text: &str) -> Option<(bool, String)> {
-    let child = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn();
-    let mut child = match child {
-        Ok(c) => c,
-        Err(e) if std::env::var_os("CI").is_none() => {
-            eprintln!("SKIPPED promtool check: promtool not runnable ({e})");
-            return None;
-        }
-        Err(e) => panic!("promtool is required in CI: {e}"),
-    };
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let msg = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Some((out.status.success(), msg))
 }
 
 fn f(v: &Value, key: &str) -> f64 {
