@@ -417,4 +417,17 @@ fn malformed_extra_keys_are_counted_and_dropped() {
     assert!(eventually(|| overlap(addr, 5, json!({"token_ids": u})) == 2));
     assert_eq!(metric(addr, name), before + 3);
     assert_eq!(overlap(addr, 5, json!({"token_ids": t})), 0);
+    // The first one is logged as a warning naming the stream; the next two,
+    // within 10 s, are only counted (a broken publisher does not flood).
+    let log = server.log_text();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("malformed KV-event message dropped"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(
+        lines[0].contains("WARN") && lines[0].contains("worker_id=5"),
+        "{}",
+        lines[0]
+    );
 }

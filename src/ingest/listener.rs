@@ -25,7 +25,7 @@ use super::decode::{decode_batch, decode_message, decode_replay_reply, KvBatch, 
 use super::poll::Env;
 use super::sequence::{Catchup, LiveAction, ReplayTiming, Sequence};
 use super::spec::{IngestConfig, ListenerSpec};
-use super::stats::{inc, state_code, ListenerState, Shared};
+use super::stats::{inc, state_code, Counters, ListenerState, Shared};
 use super::zctx::{Ctx, Socket};
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
@@ -129,7 +129,21 @@ pub(super) struct Listener {
     /// descriptor: it may hold messages that no longer signal (see
     /// `poll.rs`).
     pub(super) hot: bool,
+    /// Malformed messages are logged at most once per
+    /// [`MALFORMED_LOG_INTERVAL`] per stream.
+    malformed_log: MalformedLog,
 }
+
+/// When the last malformed-message line went out, and how many were
+/// dropped since without a line.
+#[derive(Default)]
+struct MalformedLog {
+    logged: Option<Instant>,
+    unlogged: u64,
+}
+
+/// A stream that sends garbage costs one warning per this interval.
+const MALFORMED_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 impl Listener {
     pub(super) fn new(
@@ -157,6 +171,38 @@ impl Listener {
             shared,
             polled: (Watch::None, None),
             hot: false,
+            malformed_log: MalformedLog::default(),
+        }
+    }
+
+    /// Counts a malformed message and warns about it, rate-limited per
+    /// stream (a broken publisher must not flood the log). Takes the fields
+    /// it needs, so a socket of `self` may stay borrowed.
+    fn malformed(
+        log: &mut MalformedLog,
+        shared: &Shared,
+        counters: &Counters,
+        (worker_id, dp_rank): (u64, u32),
+        what: &str,
+        error: &dyn std::fmt::Debug,
+    ) {
+        inc(&counters.malformed);
+        inc(&shared.malformed);
+        log.unlogged += 1;
+        let now = Instant::now();
+        if log
+            .logged
+            .is_none_or(|t| now.duration_since(t) >= MALFORMED_LOG_INTERVAL)
+        {
+            tracing::warn!(
+                worker_id,
+                dp_rank,
+                dropped = log.unlogged,
+                error = ?error,
+                "malformed KV-event {what} dropped (counted in kvselect_ingest_malformed_dropped_total; at most one line per stream per 10 s)"
+            );
+            log.logged = Some(now);
+            log.unlogged = 0;
         }
     }
 
@@ -299,10 +345,16 @@ impl Listener {
             match msg {
                 Ok(m) => self.inbox.push_back((m.seq, Held { at, batch: m.batch })),
                 Err(e) => {
-                    inc(&env.counters.malformed);
-                    inc(&self.shared.malformed);
-                    tracing::debug!(worker = self.applier.worker_id(), error = ?e,
-                        frames = n + frames.extra, "malformed KV-event message dropped");
+                    let frames = n + frames.extra;
+                    let who = (self.applier.worker_id(), self.spec.dp_rank);
+                    Self::malformed(
+                        &mut self.malformed_log,
+                        &self.shared,
+                        &env.counters,
+                        who,
+                        "message",
+                        &(e, frames),
+                    );
                 }
             }
         }
@@ -448,16 +500,30 @@ impl Listener {
                             self.apply(seq, &Held { at, batch }, env);
                             inc(&counters.replayed_batches);
                         }
-                        Err(_) => {
-                            inc(&counters.malformed);
-                            inc(&self.shared.malformed);
+                        Err(e) => {
+                            let who = (self.applier.worker_id(), self.spec.dp_rank);
+                            Self::malformed(
+                                &mut self.malformed_log,
+                                &self.shared,
+                                counters,
+                                who,
+                                "replayed batch",
+                                &e,
+                            );
                             self.seq.applied(seq);
                         }
                     }
                 }
                 None => {
-                    inc(&counters.malformed);
-                    inc(&self.shared.malformed);
+                    let who = (self.applier.worker_id(), self.spec.dp_rank);
+                    Self::malformed(
+                        &mut self.malformed_log,
+                        &self.shared,
+                        counters,
+                        who,
+                        "replay reply",
+                        &"unreadable frames",
+                    );
                 }
             }
         }
