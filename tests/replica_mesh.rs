@@ -239,6 +239,29 @@ async fn a_late_replica_catches_up_on_live_bookings() {
     assert!(converge(&[&a, &c], Duration::from_secs(1)).await.is_some());
 }
 
+/// Three pinned bookings on worker `w`, so that a request no session steers
+/// goes elsewhere.
+async fn load_up(s: &TestServer, w: &Value) {
+    for i in 0..3 {
+        let r = s
+            .post(
+                "/select_and_reserve",
+                &json!({"model_name": "m", "pinned_worker": {"worker_id": w, "dp_rank": 0}, "token_ids": tokens(5000 + 100 * i, 5064 + 100 * i)}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+}
+
+/// The worker `/select` picks for a short prompt, in `session` if given.
+async fn picked(s: &TestServer, session: Option<&str>) -> Value {
+    let mut body = json!({"model_name": "m", "token_ids": [7, 8, 9]});
+    if let Some(id) = session {
+        body["session_id"] = json!(id);
+    }
+    s.post("/select", &body).await.json()["worker_id"].clone()
+}
+
 /// Session bindings ride the repair snapshot: a replica that starts after
 /// a session was bound sends that session to the same worker, although the
 /// binding message went out before it existed.
@@ -253,16 +276,7 @@ async fn a_late_replica_learns_the_session_bindings() {
         .await;
     assert_eq!(first.status, 200, "{}", first.text());
     let w = first.json()["worker_id"].clone();
-    // More load on w, so that without the binding a new prompt goes elsewhere.
-    for i in 0..3 {
-        let r = a
-            .post(
-                "/select_and_reserve",
-                &json!({"model_name": "m", "pinned_worker": {"worker_id": w, "dp_rank": 0}, "token_ids": tokens(5000 + 100 * i, 5064 + 100 * i)}),
-            )
-            .await;
-        assert_eq!(r.status, 200, "{}", r.text());
-    }
+    load_up(&a, &w).await;
 
     let c = replica(Config {
         replica_sync_peers: vec![pub_endpoint(&a)],
@@ -276,22 +290,8 @@ async fn a_late_replica_learns_the_session_bindings() {
         })
         .await
     );
-    let unrelated = c
-        .post(
-            "/select",
-            &json!({"model_name": "m", "token_ids": [7, 8, 9]}),
-        )
-        .await
-        .json();
-    assert_ne!(unrelated["worker_id"], w, "w carries the load on C too");
-    let bound = c
-        .post(
-            "/select",
-            &json!({"model_name": "m", "session_id": "L", "token_ids": [7, 8, 9]}),
-        )
-        .await
-        .json();
-    assert_eq!(bound["worker_id"], w);
+    assert_ne!(picked(&c, None).await, w, "w carries the load on C too");
+    assert_eq!(picked(&c, Some("L")).await, w);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -695,37 +695,15 @@ async fn a_replayed_reservation_binds_its_session() {
         .await;
     assert_eq!(r.status, 201, "{}", r.text());
     assert_eq!(r.json()["worker_id"], w);
-    // Load w so that an unbound request goes elsewhere.
-    for i in 0..3 {
-        let r = a
-            .post(
-                "/select_and_reserve",
-                &json!({"model_name": "m", "pinned_worker": {"worker_id": w, "dp_rank": 0}, "token_ids": tokens(5000 + 100 * i, 5064 + 100 * i)}),
-            )
-            .await;
-        assert_eq!(r.status, 200, "{}", r.text());
-    }
+    load_up(&a, &w).await;
     for s in [&a, &b] {
         assert!(
             eventually(Duration::from_secs(2), || async {
-                s.post(
-                    "/select",
-                    &json!({"model_name": "m", "session_id": "R", "token_ids": [7, 8, 9]}),
-                )
-                .await
-                .json()["worker_id"]
-                    == w
+                picked(s, Some("R")).await == w
             })
             .await
         );
-        let other = s
-            .post(
-                "/select",
-                &json!({"model_name": "m", "token_ids": [7, 8, 9]}),
-            )
-            .await
-            .json();
-        assert_ne!(other["worker_id"], w);
+        assert_ne!(picked(s, None).await, w);
     }
 }
 
