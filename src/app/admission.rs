@@ -24,9 +24,10 @@
 //! for blocking callers such as the Python binding) and the queue's counters.
 //!
 //! Does not own: the busy test itself (`selection.rs` applies it to the
-//! request's candidates) or what releases room (the ledger's callers call
-//! [`Queue::released`]). Frees that arrive from the replica mesh or from the
-//! expiry sweep are caught by the periodic re-check ([`RECHECK`]).
+//! request's candidates) or what releases room: the ledger calls
+//! [`Queue::released`] after every release, whoever made it (a local call,
+//! the replica mesh, the expiry sweep, a removed worker), and the app after
+//! a worker change. The periodic re-check ([`RECHECK`]) is a safety net.
 
 use crate::config::QueueLimits;
 use parking_lot::Mutex;
@@ -35,9 +36,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// A waiting selection re-checks at least this often, for room made by
-/// paths that do not call [`Queue::released`].
-pub const RECHECK: Duration = Duration::from_millis(20);
+/// A waiting selection re-checks at least this often even without a
+/// release (a safety net; releases wake it at once).
+pub const RECHECK: Duration = Duration::from_millis(100);
 
 type Part = (String, String);
 /// Queue order: higher `strict_priority` first, then earlier (arrival -

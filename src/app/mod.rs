@@ -116,7 +116,7 @@ pub struct App {
     /// Session bindings, with `--session-affinity-ttl-secs`.
     pub affinity: Option<Affinity>,
     /// The selection queue, with `DYN_ROUTER_QUEUE_THRESHOLD`.
-    pub queue: Option<admission::Queue>,
+    pub queue: Option<Arc<admission::Queue>>,
     /// The replica mesh, once [`App::start_mesh`] started it.
     mesh: OnceLock<Arc<Mesh>>,
     shutting_down: AtomicBool,
@@ -125,6 +125,14 @@ pub struct App {
 impl App {
     pub fn new(config: Config) -> App {
         let ledger = Arc::new(Ledger::new(config.booking_expiry));
+        let queue = config
+            .router
+            .queue_threshold
+            .map(|_| Arc::new(admission::Queue::new(config.queue)));
+        if let Some(q) = &queue {
+            let q = Arc::clone(q);
+            ledger.set_on_release(Box::new(move || q.released()));
+        }
         // Size the ZMQ context from the fd limit in force (the binary has
         // raised it already), keeping --max-connections plus headroom free.
         let fd_limit = crate::runtime::fd_limit().unwrap_or(1024);
@@ -161,10 +169,7 @@ impl App {
             ledger,
             parser,
             affinity: config.session_affinity_ttl.map(Affinity::new),
-            queue: config
-                .router
-                .queue_threshold
-                .map(|_| admission::Queue::new(config.queue)),
+            queue,
             mesh: OnceLock::new(),
             config,
             shutting_down: AtomicBool::new(false),
@@ -215,6 +220,7 @@ impl App {
             .catalog
             .delete(worker_id)
             .ok_or_else(|| worker_not_found(worker_id));
+        // Its bookings went through the ledger; the candidates changed too.
         self.room_made();
         r
     }
@@ -298,24 +304,21 @@ impl App {
     }
 
     fn ledger_prefill_complete(&self, id: &str) -> Result<(), ReserveError> {
-        let r = match self.mesh() {
+        match self.mesh() {
             Some(m) => m.prefill_local(&self.ledger, id),
             None => self.ledger.prefill_complete(id),
-        };
-        self.room_made();
-        r
+        }
     }
 
     fn ledger_free(&self, id: &str) -> Result<(), ReserveError> {
-        let r = match self.mesh() {
+        match self.mesh() {
             Some(m) => m.free_local(&self.ledger, id),
             None => self.ledger.free(id).map(drop),
-        };
-        self.room_made();
-        r
+        }
     }
 
-    /// Wakes queued selections: a worker may have room now.
+    /// Wakes queued selections after a worker change (a new worker or new
+    /// capacity may be room); released load wakes them through the ledger.
     fn room_made(&self) {
         if let Some(q) = &self.queue {
             q.released();
@@ -351,11 +354,7 @@ impl App {
         if let Some(a) = &self.affinity {
             a.sweep(now);
         }
-        let n = self.ledger.sweep_expired(now);
-        if n > 0 {
-            self.room_made();
-        }
-        n
+        self.ledger.sweep_expired(now)
     }
 }
 

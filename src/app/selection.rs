@@ -184,7 +184,7 @@ impl App {
     /// The queue, if this request goes through one (advisory selects never
     /// wait).
     fn queue_for(&self, req: &SelectRequest<'_>) -> Option<&admission::Queue> {
-        self.queue.as_ref().filter(|_| req.advisory != Some(true))
+        self.queue.as_deref().filter(|_| req.advisory != Some(true))
     }
 
     /// One look at the queue: the answer once the request is first in line

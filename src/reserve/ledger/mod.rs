@@ -166,6 +166,10 @@ pub struct Ledger {
     ranks: Box<[RankShard]>,
     idents: Box<[IdentShard]>,
     slots: Mutex<SlotAlloc>,
+    /// Called after load is released (a prefill completion, a free, a
+    /// sweep or a dropped worker), whoever released it: the selection
+    /// queue waits on it.
+    on_release: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 type BookingShard = Mutex<HashMap<Box<str>, Entry>>;
@@ -259,6 +263,18 @@ impl Ledger {
                 })
                 .collect(),
             slots: Mutex::new(SlotAlloc::default()),
+            on_release: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Sets the release callback (once; later calls are ignored).
+    pub fn set_on_release(&self, f: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.on_release.set(f);
+    }
+
+    fn released(&self) {
+        if let Some(f) = self.on_release.get() {
+            f();
         }
     }
 
@@ -334,6 +350,8 @@ impl Ledger {
         if e.prefill > 0 {
             e.cell.prefill.fetch_sub(e.prefill, Ordering::Relaxed);
             e.prefill = 0;
+            drop(g);
+            self.released();
         }
         Ok(())
     }
@@ -368,6 +386,7 @@ impl Ledger {
         let e = g.remove(id).ok_or(ReserveError::NotFound)?;
         self.unload(&e);
         drop(g);
+        self.released();
         Ok(e.info())
     }
 
@@ -436,6 +455,9 @@ impl Ledger {
                     true
                 }
             });
+        }
+        if n > 0 {
+            self.released();
         }
         n
     }

@@ -315,6 +315,41 @@ fn drop_worker_and_rank_remove_bookings_and_load() {
     assert_eq!(l.stats(), LedgerStats::default());
 }
 
+/// Every call that releases load runs the release callback once; calls
+/// that release nothing (a repeated prefill completion, an unknown id, a
+/// sweep or drop that finds nothing) do not.
+#[test]
+fn releases_call_the_callback() {
+    use std::sync::atomic::AtomicUsize;
+    let l = Ledger::new(Duration::from_secs(300));
+    let n = Arc::new(AtomicUsize::new(0));
+    let m = Arc::clone(&n);
+    l.set_on_release(Box::new(move || {
+        m.fetch_add(1, Ordering::Relaxed);
+    }));
+    let calls = || n.load(Ordering::Relaxed);
+    book(&l, "a", R200, &PROMPT, 10).unwrap();
+    book(&l, "b", R201, &PROMPT, 10).unwrap();
+    book(&l, "c", R202, &PROMPT, 10).unwrap();
+    assert_eq!(calls(), 0, "booking releases nothing");
+    l.prefill_complete("a").unwrap();
+    assert_eq!(calls(), 1);
+    l.prefill_complete("a").unwrap();
+    assert_eq!(calls(), 1, "nothing left to release");
+    l.free("a").unwrap();
+    assert_eq!(calls(), 2);
+    assert!(l.free("a").is_err());
+    assert_eq!(l.drop_worker(999), 0);
+    assert_eq!(calls(), 2);
+    assert_eq!(l.drop_worker(201), 1);
+    assert_eq!(calls(), 3);
+    assert_eq!(
+        l.sweep_expired(Instant::now() + Duration::from_secs(301)),
+        1
+    );
+    assert_eq!(calls(), 4);
+}
+
 #[test]
 fn sweep_expires_only_old_bookings() {
     let l = Ledger::new(Duration::from_secs(300));
