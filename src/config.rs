@@ -205,6 +205,39 @@ pub struct Cli {
     /// most; more are answered 429 at once.
     #[arg(long, default_value_t = DEFAULT_QUEUE_MAX_LEN)]
     pub router_queue_max_len: usize,
+    /// Freshness bound: a selection waits while the index is more than
+    /// this far behind the KV events that reached the process (0 turns the
+    /// gate off). Advisory selects are answered at once, flagged.
+    #[arg(long, default_value_t = DEFAULT_MAX_INDEX_LAG_MS)]
+    pub max_index_lag_ms: u64,
+    /// The longest a selection waits for the index to come within
+    /// --max-index-lag-ms; 429 with Retry-After after.
+    #[arg(long, default_value_t = DEFAULT_INDEX_LAG_MAX_WAIT_MS)]
+    pub index_lag_max_wait_ms: u64,
+}
+
+/// Default freshness bound (`--max-index-lag-ms`).
+pub const DEFAULT_MAX_INDEX_LAG_MS: u64 = 50;
+/// Default wait for the index to come within the bound.
+pub const DEFAULT_INDEX_LAG_MAX_WAIT_MS: u64 = 1000;
+
+/// The freshness gate (`app/freshness.rs`): how far behind its events the
+/// index may be when a selection is answered, and how long a selection
+/// waits for that.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Freshness {
+    /// `None`: the gate is off.
+    pub max_lag: Option<Duration>,
+    pub max_wait: Duration,
+}
+
+impl Default for Freshness {
+    fn default() -> Self {
+        Freshness {
+            max_lag: Some(Duration::from_millis(DEFAULT_MAX_INDEX_LAG_MS)),
+            max_wait: Duration::from_millis(DEFAULT_INDEX_LAG_MAX_WAIT_MS),
+        }
+    }
 }
 
 /// The selection queue's bounds (it runs only with
@@ -400,6 +433,7 @@ pub struct Config {
     /// Workers may register `ipc://` KV-event and replay endpoints.
     pub allow_ipc_endpoints: bool,
     pub queue: QueueLimits,
+    pub freshness: Freshness,
 }
 
 impl Default for Config {
@@ -432,6 +466,7 @@ impl Default for Config {
             number_path: crate::parse::NumberPath::Auto,
             allow_ipc_endpoints: false,
             queue: QueueLimits::default(),
+            freshness: Freshness::default(),
         }
     }
 }
@@ -599,6 +634,14 @@ impl Config {
             max_wait: positive("router-queue-max-wait-secs", cli.router_queue_max_wait_secs)?,
             max_len: cli.router_queue_max_len,
         };
+        if cli.index_lag_max_wait_ms == 0 {
+            return Err("--index-lag-max-wait-ms must be at least 1".into());
+        }
+        let freshness = Freshness {
+            max_lag: (cli.max_index_lag_ms > 0)
+                .then(|| Duration::from_millis(cli.max_index_lag_ms)),
+            max_wait: Duration::from_millis(cli.index_lag_max_wait_ms),
+        };
         Ok(Config {
             addr: SocketAddr::new(cli.host, cli.port),
             threads,
@@ -624,6 +667,7 @@ impl Config {
             session_affinity_ttl,
             number_path,
             queue,
+            freshness,
             ..Config::default()
         })
     }
@@ -691,6 +735,16 @@ impl Config {
                 format!("{:?}", self.queue.max_wait),
             ),
             ("router_queue_max_len", self.queue.max_len.to_string()),
+            (
+                "max_index_lag",
+                self.freshness
+                    .max_lag
+                    .map_or("off".into(), |d| format!("{d:?}")),
+            ),
+            (
+                "index_lag_max_wait",
+                format!("{:?}", self.freshness.max_wait),
+            ),
         ];
         for name in DYN_ENV_VARS {
             if let Some(v) = env(name) {

@@ -386,6 +386,41 @@ fn state_registry(app: &App) -> Registry {
             .inc_by(st.rejected_timeout);
     }
 
+    // The freshness gate (app/freshness.rs).
+    gauge(
+        "kvselect_index_lag_seconds",
+        "How far the index is behind the KV events that reached the process: the longest time an ingest thread has had unapplied work.",
+        app.catalog.hub().lag().now().as_secs_f64(),
+    );
+    gauge(
+        "kvselect_index_lag_bound_seconds",
+        "The freshness bound (--max-index-lag-ms); 0 when the gate is off.",
+        app.config
+            .freshness
+            .max_lag
+            .map_or(0.0, |d| d.as_secs_f64()),
+    );
+    for (name, help, v) in [
+        (
+            "kvselect_freshness_waited_total",
+            "Selections that found the index past the freshness bound and waited for it to catch up.",
+            &app.gate.waited,
+        ),
+        (
+            "kvselect_freshness_rejected_total",
+            "Selections answered 429 because the index stayed past the freshness bound for --index-lag-max-wait-ms.",
+            &app.gate.rejected,
+        ),
+        (
+            "kvselect_freshness_stale_answers_total",
+            "Advisory selects answered while the index was past the freshness bound (flagged x-kvselect-index-stale).",
+            &app.gate.stale_answers,
+        ),
+    ] {
+        registered(&r, IntCounter::new(name, help).expect("valid"))
+            .inc_by(v.load(std::sync::atomic::Ordering::Relaxed));
+    }
+
     let stats = app.catalog.hub().stats();
     let c = stats.counters;
     let a = c.apply;

@@ -19,6 +19,7 @@
 //! booking identities, so a token prompt is hashed exactly once.
 
 pub mod admission;
+pub mod freshness;
 mod prompt;
 mod reports;
 mod reservations;
@@ -117,6 +118,8 @@ pub struct App {
     pub affinity: Option<Affinity>,
     /// The selection queue, with `DYN_ROUTER_QUEUE_THRESHOLD`.
     pub queue: Option<Arc<admission::Queue>>,
+    /// The freshness gate's counters (`freshness.rs`).
+    pub gate: freshness::GateCounters,
     /// The replica mesh, once [`App::start_mesh`] started it.
     mesh: OnceLock<Arc<Mesh>>,
     shutting_down: AtomicBool,
@@ -170,6 +173,7 @@ impl App {
             parser,
             affinity: config.session_affinity_ttl.map(Affinity::new),
             queue,
+            gate: freshness::GateCounters::default(),
             mesh: OnceLock::new(),
             config,
             shutting_down: AtomicBool::new(false),

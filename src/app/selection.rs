@@ -44,6 +44,10 @@ pub struct Selection {
     /// only): u64 in memory, i64 on the wire.
     #[serde(skip)]
     pub sequence_hashes: Option<Pooled<u64>>,
+    /// How far behind its events the index was (the freshness gate,
+    /// `freshness.rs`): sent as headers, not in the body.
+    #[serde(skip)]
+    pub index: super::freshness::Answered,
 }
 
 /// Matched prefix lengths in tokens, per tier and per DP rank of the chosen
@@ -104,6 +108,17 @@ impl App {
         req: &SelectRequest<'_>,
         kind: SelectKind,
     ) -> Result<Selection, ServiceError> {
+        let index = self.await_fresh_index(req).await?;
+        let mut sel = self.select_queued_inner(req, kind).await?;
+        sel.index = index;
+        Ok(sel)
+    }
+
+    async fn select_queued_inner(
+        &self,
+        req: &SelectRequest<'_>,
+        kind: SelectKind,
+    ) -> Result<Selection, ServiceError> {
         let Some(q) = self.queue_for(req) else {
             return self.select(req, kind);
         };
@@ -133,6 +148,26 @@ impl App {
     /// `wanted` is asked at each wake-up; once it says no, the request leaves
     /// the queue unbooked (`None`).
     pub fn select_blocking(
+        &self,
+        req: &SelectRequest<'_>,
+        kind: SelectKind,
+        wanted: impl Fn() -> bool,
+    ) -> Option<Result<Selection, ServiceError>> {
+        let index = match self.await_fresh_index_blocking(req) {
+            Ok(a) => a,
+            Err(e) => return Some(Err(e)),
+        };
+        if !wanted() {
+            return None;
+        }
+        let r = self.select_blocking_inner(req, kind, wanted)?;
+        Some(r.map(|mut sel| {
+            sel.index = index;
+            sel
+        }))
+    }
+
+    fn select_blocking_inner(
         &self,
         req: &SelectRequest<'_>,
         kind: SelectKind,
@@ -168,17 +203,24 @@ impl App {
         req: &SelectRequest<'_>,
         kind: SelectKind,
     ) -> Option<Result<Selection, ServiceError>> {
-        let Some(q) = self.queue_for(req) else {
-            return Some(self.select(req, kind));
+        let index = self.fresh_index_now(req)?;
+        let r = match self.queue_for(req) {
+            None => self.select(req, kind),
+            Some(q) => {
+                let (model, group) = partition_of(req);
+                if q.has_waiting(model, group) {
+                    return None;
+                }
+                match self.select_once(req, kind, true) {
+                    Err(ServiceError::Busy(_)) => return None,
+                    r => r,
+                }
+            }
         };
-        let (model, group) = partition_of(req);
-        if q.has_waiting(model, group) {
-            return None;
-        }
-        match self.select_once(req, kind, true) {
-            Err(ServiceError::Busy(_)) => None,
-            r => Some(r),
-        }
+        Some(r.map(|mut sel| {
+            sel.index = index;
+            sel
+        }))
     }
 
     /// The queue, if this request goes through one (advisory selects never
@@ -363,6 +405,7 @@ impl App {
             potential_decode_blocks,
             worker_load,
             sequence_hashes,
+            index: Default::default(),
         })
     }
 

@@ -23,6 +23,7 @@
 pub mod error;
 pub mod limits;
 
+use crate::app::freshness::Answered;
 use crate::app::{App, Selection, ServiceError};
 use crate::auth::{Auth, Verdict as AuthVerdict};
 use crate::metrics::{Metrics, Timeout};
@@ -33,8 +34,8 @@ use error::{error_body, HttpError};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::header::{
-    HeaderValue, ALLOW, AUTHORIZATION, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER,
-    WWW_AUTHENTICATE,
+    HeaderName, HeaderValue, ALLOW, AUTHORIZATION, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE,
+    RETRY_AFTER, WWW_AUTHENTICATE,
 };
 use hyper::{Method, Request, Response, StatusCode, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -317,7 +318,17 @@ impl Server {
                 r
             }
             Ok(()) => match self.route(req).await {
-                Ok((status, body)) => json(status, body),
+                Ok(Reply {
+                    status,
+                    body,
+                    index,
+                }) => {
+                    let mut r = json(status, body);
+                    if let Some(a) = index {
+                        freshness_headers(r.headers_mut(), a);
+                    }
+                    r
+                }
                 Err(e) => {
                     close = matches!(e, HttpError::BodyTimeout);
                     error_response(e)
@@ -375,7 +386,10 @@ impl Server {
         let not_allowed = |allow| Err(HttpError::MethodNotAllowed { allow });
         const GET_HEAD: &str = "GET,HEAD";
         match segments.as_slice() {
-            ["health"] if get => Ok((StatusCode::OK, br#"{"status":"ok"}"#.to_vec())),
+            ["health"] if get => Ok(Reply::from((
+                StatusCode::OK,
+                br#"{"status":"ok"}"#.to_vec(),
+            ))),
             ["health"] => not_allowed(GET_HEAD),
             ["ready"] if get => {
                 let r = app.readiness();
@@ -384,7 +398,7 @@ impl Server {
                 } else {
                     StatusCode::SERVICE_UNAVAILABLE
                 };
-                Ok((status, to_json(&r, 1024)))
+                Ok(Reply::from((status, to_json(&r, 1024))))
             }
             ["ready"] => not_allowed(GET_HEAD),
             ["workers"] if get => {
@@ -411,7 +425,7 @@ impl Server {
                 let kind = SelectKind::Select;
                 let req = self.parse("select", || app.parser.select(&body, kind))?;
                 let sel = app.select_queued(&req, kind).await?;
-                Ok((StatusCode::OK, selection_json(&sel)))
+                selection_reply(&sel)
             }
             ["select"] => not_allowed("POST"),
             ["select_and_reserve"] if post => {
@@ -419,7 +433,7 @@ impl Server {
                 let kind = SelectKind::SelectAndReserve;
                 let req = self.parse("select", || app.parser.select(&body, kind))?;
                 let sel = app.select_queued(&req, kind).await?;
-                Ok((StatusCode::OK, selection_json(&sel)))
+                selection_reply(&sel)
             }
             ["select_and_reserve"] => not_allowed("POST"),
             ["reservations"] if post => {
@@ -473,10 +487,12 @@ impl Server {
                 )?)
             }
             ["overlap_scores"] => not_allowed("POST"),
-            ["dump"] if get => Ok((StatusCode::OK, app.dump().into_bytes())),
+            ["dump"] if get => Ok(Reply::from((StatusCode::OK, app.dump().into_bytes()))),
             ["dump"] => not_allowed(GET_HEAD),
             ["metrics"] => not_allowed(GET_HEAD),
-            ["openapi.json"] if get => Ok((StatusCode::OK, OPENAPI.as_bytes().to_vec())),
+            ["openapi.json"] if get => {
+                Ok(Reply::from((StatusCode::OK, OPENAPI.as_bytes().to_vec())))
+            }
             ["openapi.json"] => not_allowed(GET_HEAD),
             ["replica_sync", "peers"] if get => ok(&app.replica_peers()),
             ["replica_sync", "peers"] => not_allowed(GET_HEAD),
@@ -488,7 +504,7 @@ impl Server {
                 } else {
                     StatusCode::OK
                 };
-                Ok((status, br#"{"status":"ok"}"#.to_vec()))
+                Ok(Reply::from((status, br#"{"status":"ok"}"#.to_vec())))
             }
             ["replica_sync", "deregister_peer"] if post => {
                 let body = self.body(req).await?;
@@ -544,7 +560,36 @@ impl Server {
     }
 }
 
-type Routed = Result<(StatusCode, Vec<u8>), HttpError>;
+type Routed = Result<Reply, HttpError>;
+
+/// A route's answer: status, JSON body and, for selections, the index's
+/// freshness when it was answered (sent as headers).
+struct Reply {
+    status: StatusCode,
+    body: Vec<u8>,
+    index: Option<Answered>,
+}
+
+impl From<(StatusCode, Vec<u8>)> for Reply {
+    fn from((status, body): (StatusCode, Vec<u8>)) -> Reply {
+        Reply {
+            status,
+            body,
+            index: None,
+        }
+    }
+}
+
+/// The selection's reply with its freshness headers:
+/// `x-kvselect-index-lag-ms` always, `x-kvselect-index-stale: true` when an
+/// advisory select was answered past the bound (`app/freshness.rs`).
+fn selection_reply(sel: &Selection) -> Routed {
+    Ok(Reply {
+        status: StatusCode::OK,
+        body: selection_json(sel),
+        index: Some(sel.index),
+    })
+}
 
 /// `v` as JSON into a buffer of `capacity` bytes to start with.
 fn to_json(v: &impl Serialize, capacity: usize) -> Vec<u8> {
@@ -554,15 +599,18 @@ fn to_json(v: &impl Serialize, capacity: usize) -> Vec<u8> {
 }
 
 fn ok(v: &impl Serialize) -> Routed {
-    Ok((StatusCode::OK, to_json(v, 128)))
+    Ok(Reply::from((StatusCode::OK, to_json(v, 128))))
 }
 
 fn created(v: &impl Serialize) -> Routed {
-    Ok((StatusCode::CREATED, to_json(v, 128)))
+    Ok(Reply::from((StatusCode::CREATED, to_json(v, 128))))
 }
 
 fn status_ok() -> Routed {
-    Ok((StatusCode::OK, br#"{"status":"ok"}"#.to_vec()))
+    Ok(Reply::from((
+        StatusCode::OK,
+        br#"{"status":"ok"}"#.to_vec(),
+    )))
 }
 
 /// A selection's JSON. `sequence_hashes`, by far the largest field, is
@@ -592,6 +640,21 @@ fn json(status: StatusCode, body: Vec<u8>) -> Resp {
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     r
 }
+
+fn freshness_headers(h: &mut hyper::HeaderMap, a: Answered) {
+    let ms = format!("{:.1}", a.lag.as_secs_f64() * 1e3);
+    if let Ok(v) = HeaderValue::from_str(&ms) {
+        h.insert(INDEX_LAG_HEADER, v);
+    }
+    if a.stale {
+        h.insert(INDEX_STALE_HEADER, HeaderValue::from_static("true"));
+    }
+}
+
+/// How far behind its KV events the index was when the selection was made.
+const INDEX_LAG_HEADER: HeaderName = HeaderName::from_static("x-kvselect-index-lag-ms");
+/// An advisory select answered while the index was past the freshness bound.
+const INDEX_STALE_HEADER: HeaderName = HeaderName::from_static("x-kvselect-index-stale");
 
 fn error_response(e: HttpError) -> Resp {
     let (status, msg) = e.status_and_message();

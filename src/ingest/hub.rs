@@ -63,6 +63,7 @@ pub struct IngestHub {
     registry: Mutex<Registry>,
     counters: Arc<Counters>,
     delays: Delays,
+    lag: Arc<super::lag::Lag>,
     config: IngestConfig,
 }
 
@@ -80,6 +81,7 @@ impl IngestHub {
         let delays = Delays::new();
         let hub_id = HUB_SEQ.fetch_add(1, Relaxed);
         let n = config.threads.max(1);
+        let lag = Arc::new(super::lag::Lag::new(n));
         let mut threads = Vec::with_capacity(n);
         for i in 0..n {
             let addr = format!(
@@ -99,6 +101,8 @@ impl IngestHub {
                     apply_delay: delays.apply.local(),
                     engine_delay: delays.engine.local(),
                     config: config.clone(),
+                    lag: Arc::clone(&lag),
+                    slot: i,
                 },
                 rx,
                 pull,
@@ -122,8 +126,15 @@ impl IngestHub {
             }),
             counters,
             delays,
+            lag,
             config,
         }
+    }
+
+    /// How far the index is behind the events that reached the process
+    /// (`lag.rs`).
+    pub fn lag(&self) -> &Arc<super::lag::Lag> {
+        &self.lag
     }
 
     /// The hub-wide receipt-to-application and engine-to-index delay

@@ -9,7 +9,9 @@
 //! (`poll.rs`), or outlive its thread's command to stop.
 //!
 //! Reading and applying are two steps: [`Listener::fill_sub`] reads up to
-//! `max_msgs_per_round` live messages off the SUB socket, decodes them and
+//! `max_msgs_per_round` live messages off the SUB socket (fewer when the
+//! thread's byte budget for the round, `max_bytes_per_round`, runs out:
+//! that bounds the delay below under a burst), decodes them and
 //! queues them in the listener's inbox stamped with the time they were
 //! read; [`Listener::apply_inbox`] then applies the inbox in order. The poll
 //! loop runs the first step for every ready listener of its thread before
@@ -312,9 +314,10 @@ impl Listener {
     }
 
     /// Reads and decodes live messages into the inbox until it holds
-    /// `max_msgs_per_round`; true when the SUB was read until it had none
-    /// left. Applies nothing (see [`Listener::apply_inbox`]).
-    pub(super) fn fill_sub(&mut self, frames: &mut Frames, env: &Env) -> bool {
+    /// `max_msgs_per_round` or the round's byte `budget` is spent; true
+    /// when the SUB was read until it had none left. Applies nothing (see
+    /// [`Listener::apply_inbox`]).
+    pub(super) fn fill_sub(&mut self, frames: &mut Frames, env: &Env, budget: &mut usize) -> bool {
         // A replay parks the SUB: its messages wait in the socket.
         if self.seq.replaying() {
             return false;
@@ -323,7 +326,7 @@ impl Listener {
         let at = Instant::now();
         let before = self.inbox.len();
         let mut emptied = false;
-        while self.inbox.len() < env.config.max_msgs_per_round {
+        while self.inbox.len() < env.config.max_msgs_per_round && *budget > 0 {
             match frames.recv(sub) {
                 Ok(true) => {}
                 Ok(false) => {
@@ -337,6 +340,7 @@ impl Listener {
             }
             inc(&env.counters.messages);
             let (f, n) = frames.slices();
+            *budget = budget.saturating_sub(f[..n].iter().map(|b| b.len()).sum());
             let msg = if frames.extra > 0 {
                 Err(None)
             } else {

@@ -10,6 +10,7 @@
 //! | `poll.rs` | one ingest thread: the poll loop over its listeners' sockets |
 //! | `listener.rs` | one stream's sockets, reading, replay requests, applying |
 //! | `sequence.rs` | the sequence rules (gaps, replay, stale, restarts) as a pure state machine |
+//! | `lag.rs` | the index's lag: how long an ingest thread has been behind the events that reached it |
 //! | `stats.rs` | counters, per-stream freshness, the delay histograms and the `stats()` snapshot |
 //!
 //! Ingestion never decides routing; it only keeps the index in step with what
@@ -20,6 +21,7 @@ pub mod decode;
 #[cfg(any(test, feature = "testkit"))]
 pub mod encode;
 mod hub;
+pub mod lag;
 mod listener;
 mod poll;
 mod sequence;

@@ -38,6 +38,10 @@ pub(super) struct Env {
     pub(super) apply_delay: LocalHistogram,
     pub(super) engine_delay: LocalHistogram,
     pub(super) config: IngestConfig,
+    /// Where this thread publishes whether it is caught up (`lag.rs`), and
+    /// its slot there.
+    pub(super) lag: Arc<super::lag::Lag>,
+    pub(super) slot: usize,
 }
 
 /// One ingest OS thread and the listeners it owns.
@@ -62,6 +66,7 @@ impl Thread {
         let mut frames = Frames::default();
         let mut fds: Vec<libc::pollfd> = Vec::new();
         let mut last_sweep = Instant::now();
+        let mut start = 0usize;
         loop {
             let now = Instant::now();
             let mut timeout = IDLE_POLL;
@@ -122,9 +127,23 @@ impl Thread {
                 }
             }
             let fired = |i: usize| fds[i].revents != 0;
-            for (i, l) in self.listeners.iter_mut().enumerate() {
+            if any_hot || (1..fds.len()).any(fired) {
+                self.env.lag.behind(self.env.slot, after);
+            }
+            // Reading starts one listener further each round, so a spent
+            // byte budget leaves a different one for the next round.
+            let mut budget = self.env.config.max_bytes_per_round;
+            let n = self.listeners.len();
+            start = if n == 0 { 0 } else { (start + 1) % n };
+            for k in 0..n {
+                let i = (start + k) % n;
+                let l = &mut self.listeners[i];
                 let w = l.polled.0;
                 if w == Watch::None || !(l.hot || fired(i + 1)) {
+                    continue;
+                }
+                if budget == 0 {
+                    l.hot = true;
                     continue;
                 }
                 let readable = l
@@ -133,7 +152,7 @@ impl Thread {
                     .is_some_and(|ev| ev.contains(zmq::POLLIN));
                 l.hot = readable
                     && !match w {
-                        Watch::Sub => l.fill_sub(&mut frames, &self.env),
+                        Watch::Sub => l.fill_sub(&mut frames, &self.env, &mut budget),
                         _ => l.drain_dealer(&mut frames, &self.env),
                     };
             }
@@ -147,6 +166,13 @@ impl Thread {
             }
             self.env.apply_delay.flush();
             self.env.engine_delay.flush();
+            let behind = self
+                .listeners
+                .iter()
+                .any(|l| (l.hot && l.polled.0 != Watch::None) || l.ready());
+            if !behind {
+                self.env.lag.caught_up(self.env.slot);
+            }
             if fired(0) || sweep {
                 let _ = self.doorbell.get_events();
                 while self.doorbell.recv_bytes(zmq::DONTWAIT).is_ok() {}

@@ -29,6 +29,12 @@ pub struct IngestConfig {
     /// Messages handled per socket per poll round, so one busy engine cannot
     /// starve the other listeners of its thread.
     pub max_msgs_per_round: usize,
+    /// Message bytes one ingest thread reads per poll round, over all its
+    /// streams, before it applies them: bounds a batch's wait between being
+    /// read and being applied (the receipt-to-application delay) under a
+    /// burst. What is not read waits in libzmq, counted by the index's lag
+    /// (`lag.rs`).
+    pub max_bytes_per_round: usize,
     /// Largest message frame accepted (ZMQ_MAXMSGSIZE); a bigger one makes
     /// ZMQ drop the connection (it then reconnects). Bounds the memory a
     /// broken or hostile publisher can make us hold.
@@ -47,6 +53,8 @@ pub const DEFAULT_HEARTBEAT_IVL: Duration = Duration::from_secs(5);
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(15);
 pub const DEFAULT_RCVHWM: i32 = 100_000;
 pub const DEFAULT_MAX_MSGS_PER_ROUND: usize = 256;
+/// About 10-20 ms of decoding and applying on one core.
+pub const DEFAULT_MAX_BYTES_PER_ROUND: usize = 4 << 20;
 pub const DEFAULT_MAX_MSG_BYTES: i64 = 64 << 20;
 /// libzmq's own default; never size below it.
 pub const MIN_MAX_SOCKETS: i32 = 1023;
@@ -75,6 +83,7 @@ impl Default for IngestConfig {
             heartbeat_timeout: DEFAULT_HEARTBEAT_TIMEOUT,
             rcvhwm: DEFAULT_RCVHWM,
             max_msgs_per_round: DEFAULT_MAX_MSGS_PER_ROUND,
+            max_bytes_per_round: DEFAULT_MAX_BYTES_PER_ROUND,
             max_msg_bytes: DEFAULT_MAX_MSG_BYTES,
             max_sockets: MIN_MAX_SOCKETS,
         }
