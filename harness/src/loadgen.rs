@@ -11,10 +11,16 @@
 //!
 //! - `Reserve` flow: `POST /select_and_reserve` (the timed call), the chosen
 //!   mock worker serves the prompt (publishing its KV events), then
-//!   `prefill_complete`, `output_blocks` x `output_block`, `DELETE`.
+//!   `prefill_complete`, `output_blocks` x `output_block`, the decode wait
+//!   (`decode`, the booking held), `DELETE`.
 //! - `Ray` flow (the embedded-Python pattern): `POST /select` with a
 //!   `selection_id` (timed), serve, `POST /reservations` replay, then the same
 //!   lifecycle.
+//!
+//! A selection answered 429 is retried after its `Retry-After` and counted
+//! apart from errors. Besides latency and CPU, the report carries routing
+//! quality measured here (hit ratio, session moves, blocks the mock engines
+//! stored) and the server's own freshness figures (`harness::freshness`).
 //!
 //! Tokens are a pure function of (session, generation, position), so nothing
 //! but a length is stored per session unless the JSON cache fits the budget.

@@ -1,8 +1,8 @@
 //! `kvselect-bench`: the issue-5 experiment in one command. Starts each
-//! selector in turn (kvselect, then the Dynamo reference) pinned to the
-//! server cores, drives the same workload against it from this process
-//! (pinned to the client cores), stops it, and prints a side-by-side table
-//! and one JSON line per server.
+//! selector in turn (kvselect, then the Dynamo reference), pinned to the
+//! server cores or not (`--unpinned`), drives the same workload against it
+//! from this process (pinned to the client cores or not), stops it, and
+//! prints a side-by-side table and one JSON line per server.
 //!
 //! `cargo run --release --bin kvselect-bench -- --profile small --server-cores 0 --client-cores 1`
 //! `cargo run --release --bin kvselect-bench -- --profile seed --unpinned`
