@@ -98,16 +98,21 @@ async fn a_session_whose_worker_is_removed_moves_once() {
         let app = Arc::clone(&server.app);
         let addr = server.addr;
         tokio::spawn(async move {
-            // After a few turns, between two of them (nothing booked: the
-            // session is in its 250 ms pause), remove the worker holding
-            // the session's cache.
+            // After a few turns, right after one ends (its booking freed:
+            // the session has just begun its 250 ms pause), remove the
+            // worker holding the session's cache.
             tokio::time::sleep(Duration::from_millis(1200)).await;
-            assert!(
-                common::eventually(Duration::from_secs(2), || async {
-                    app.ledger.stats().bookings == 0
-                })
-                .await
-            );
+            for booked in [true, false] {
+                // Polled every millisecond: a turn books for a few only.
+                let deadline = std::time::Instant::now() + Duration::from_secs(2);
+                while (app.ledger.stats().bookings > 0) != booked {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "never saw bookings > 0 == {booked}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
             let w = (1..=2u64)
                 .max_by_key(|&w| mocker.cached_blocks(w).unwrap())
                 .unwrap();
