@@ -5,7 +5,8 @@
 //! - blocks stored and removed: what ZMQ subscribers on the mock workers'
 //!   PUB sockets decoded, and what the server's index counted;
 //! - the server's freshness figures: present, and nothing left queued;
-//! - 429s: counted apart from errors, the shed turns retried.
+//! - 429s: counted apart from errors, the shed turns retried;
+//! - the decode wait: the booking held until the free.
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
@@ -289,4 +290,46 @@ async fn shed_selections_are_counted_apart_and_retried() {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert!(served_429 >= r.rejected_429 as f64, "{served_429} < {r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_wait_holds_the_booking_before_the_free() {
+    let server = common::start().await;
+    let mocker = fleet(2, 32_768);
+    loadgen::register_workers(&server.addr.to_string(), &mocker, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let cfg = LoadConfig {
+        think: Duration::ZERO,
+        decode: Duration::from_millis(300),
+        duration: Duration::from_secs(2),
+        ..lone_session(&server)
+    };
+    // Sample the ledger while the session runs: with a 300 ms decode per
+    // turn of a few ms, it holds a booking nearly all the time.
+    let sampler = {
+        let app = Arc::clone(&server.app);
+        tokio::spawn(async move {
+            let (mut booked, mut samples) = (0u32, 0u32);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            for _ in 0..150 {
+                samples += 1;
+                booked += u32::from(app.ledger.stats().bookings > 0);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            (booked, samples)
+        })
+    };
+    let r = run(cfg, &mocker).await;
+    let (booked, samples) = sampler.await.unwrap();
+    assert_eq!(r.errors, 0, "first error: {:?}", r.first_error);
+    assert_eq!(r.decode_ms, 300);
+    // At most one turn per 300 ms in a 2 s window.
+    assert!((3..=7).contains(&r.requests), "{r:?}");
+    assert!(
+        booked * 10 >= samples * 8,
+        "booked in {booked} of {samples} samples"
+    );
+    // Every booking was freed in the end.
+    assert_eq!(server.app.ledger.stats().bookings, 0);
 }
