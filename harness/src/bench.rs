@@ -23,8 +23,10 @@ pub const DEFAULT_VENV: &str = "/opt/dynamo-venv";
 /// profile fills the unset ones.
 #[derive(Debug, Clone, clap::Args)]
 pub struct LoadArgs {
-    /// Workload profile: `small` (fits 2 cores) or `full` (the maintainers'
-    /// setup: 1,024 workers, 8,192 sessions).
+    /// Workload profile: `small` (fits 2 cores), `seed` (the seed-like
+    /// agentic profile of issues 14 and 17: 128 workers, 256 sessions in a
+    /// closed loop) or `full` (the maintainers' setup: 1,024 workers, 8,192
+    /// sessions).
     #[arg(long, default_value = "small")]
     pub profile: String,
     /// Mock workers.
@@ -66,6 +68,14 @@ pub struct LoadArgs {
     /// both servers' capacity compares latency at the same offered load.
     #[arg(long)]
     pub rate: Option<f64>,
+    /// Milliseconds a turn holds its reservation between its last output
+    /// block and the free (the engine's decode; default 0).
+    #[arg(long)]
+    pub decode_ms: Option<u64>,
+    /// Seconds of server CPU sampled after the load stops (the work it left
+    /// behind, e.g. a backlog of KV events); 0 skips it.
+    #[arg(long, default_value_t = 5.0)]
+    pub tail_s: f64,
     /// Turns in progress at once (default: all sessions for `small`, 256
     /// for `full`).
     #[arg(long)]
@@ -110,8 +120,9 @@ impl LoadArgs {
         // max in flight)
         let (w, s, warm, dur, cap, think, infl) = match self.profile.as_str() {
             "small" => (64, 64, 10.0, 40.0, 32_768, 0, usize::MAX),
+            "seed" => (128, 256, 10.0, 30.0, 32_768, 0, usize::MAX),
             "full" => (1024, 8192, 20.0, 60.0, 32_768, 20_000, 256),
-            p => return Err(format!("unknown profile {p:?} (small | full)")),
+            p => return Err(format!("unknown profile {p:?} (small | seed | full)")),
         };
         let workers = self.workers.unwrap_or(w);
         let sessions = self.sessions.unwrap_or(s);
@@ -131,6 +142,16 @@ impl LoadArgs {
             capacity_blocks: self.capacity_blocks.unwrap_or(cap),
             ..MockerConfig::default()
         };
+        for (flag, v) in [
+            ("--warmup-s", self.warmup_s),
+            ("--duration-s", self.duration_s),
+            ("--settle-s", self.settle_s),
+            ("--tail-s", Some(self.tail_s)),
+        ] {
+            if v.is_some_and(f64::is_nan) {
+                return Err(format!("{flag} must be a number of seconds"));
+            }
+        }
         let secs = |v: f64| Duration::from_secs_f64(v.clamp(0.0, 86_400.0));
         let load = LoadConfig {
             addr: addr.to_string(),
@@ -147,6 +168,8 @@ impl LoadArgs {
             json_cache_bytes: self.json_cache_mb << 20,
             max_inflight: self.max_inflight.unwrap_or(infl).min(sessions).max(1),
             rate: self.rate,
+            decode: Duration::from_millis(self.decode_ms.unwrap_or(0).min(3_600_000)),
+            tail: secs(self.tail_s),
             ..LoadConfig::default()
         };
         let settle = secs(self.settle_s.unwrap_or(1.0 + workers as f64 / 256.0));
@@ -386,6 +409,8 @@ mod tests {
             #[command(flatten)]
             l: LoadArgs,
         }
+        let w = <W as clap::Parser>::parse_from(["x", "--tail-s", "NaN"]);
+        assert!(w.l.workload("127.0.0.1:1").is_err());
         for bad in ["0", "-1", "NaN", "inf", "1e-30"] {
             let arg = format!("--rate={bad}");
             let w = <W as clap::Parser>::parse_from(["x", arg.as_str()]);
@@ -399,6 +424,33 @@ mod tests {
         assert_eq!(wl.load.sessions, 10);
         assert_eq!(wl.load.max_inflight, 10);
         assert_eq!(wl.load.think, Duration::from_secs(20));
+        // The seed-like profile of issues 14 and 17, and #14's paced
+        // variant through the flags.
+        let w = <W as clap::Parser>::parse_from(["x", "--profile", "seed"]);
+        let wl = w.l.workload("127.0.0.1:1").unwrap();
+        assert_eq!((wl.mocker.workers, wl.load.sessions), (128, 256));
+        assert_eq!((wl.load.prefix_tokens, wl.load.mean_isl), (16_384, 99_000));
+        assert_eq!((wl.load.rate, wl.load.think), (None, Duration::ZERO));
+        assert_eq!(
+            (wl.load.decode, wl.load.max_inflight),
+            (Duration::ZERO, 256)
+        );
+        assert_eq!(wl.load.tail, Duration::from_secs(5));
+        let w = <W as clap::Parser>::parse_from([
+            "x",
+            "--profile",
+            "seed",
+            "--rate",
+            "60",
+            "--decode-ms",
+            "1000",
+            "--tail-s",
+            "0",
+        ]);
+        let wl = w.l.workload("127.0.0.1:1").unwrap();
+        assert_eq!(wl.load.rate, Some(60.0));
+        assert_eq!(wl.load.decode, Duration::from_secs(1));
+        assert_eq!(wl.load.tail, Duration::ZERO);
         let w = <W as clap::Parser>::parse_from(["x", "--profile", "huge"]);
         assert!(w.l.workload("127.0.0.1:1").is_err());
     }

@@ -28,6 +28,8 @@ pub struct HttpConn {
     head: Vec<u8>,
     /// Body of the last response, valid until the next request.
     body: Vec<u8>,
+    /// `Retry-After` of the last response, in its delay-seconds form.
+    retry_after: Option<Duration>,
     closed: bool,
 }
 
@@ -60,6 +62,7 @@ impl HttpConn {
             buf: Vec::with_capacity(64 << 10),
             head: Vec::with_capacity(256),
             body: Vec::new(),
+            retry_after: None,
             closed: false,
         })
     }
@@ -112,6 +115,12 @@ impl HttpConn {
     /// Body of the last response.
     pub fn body(&self) -> &[u8] {
         &self.body
+    }
+
+    /// The last response's `Retry-After`, when it gave a number of seconds
+    /// (the HTTP-date form is not used by selectors and is ignored).
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
     }
 
     async fn request_inner(
@@ -191,6 +200,7 @@ impl HttpConn {
             .ok_or_else(|| bad("bad status line"))?;
         let mut content_length = None;
         let mut chunked = false;
+        self.retry_after = None;
         for line in lines {
             let Some((k, v)) = line.split_once(':') else {
                 continue;
@@ -202,6 +212,8 @@ impl HttpConn {
                 chunked = v.eq_ignore_ascii_case("chunked");
             } else if k.eq_ignore_ascii_case("connection") && v.eq_ignore_ascii_case("close") {
                 self.closed = true;
+            } else if k.eq_ignore_ascii_case("retry-after") {
+                self.retry_after = parse_retry_after(v);
             }
         }
         let mut pos = head_end + 4;
@@ -242,6 +254,13 @@ impl HttpConn {
     }
 }
 
+/// `Retry-After: <delay-seconds>` as a duration (a fraction is accepted;
+/// anything else, such as an HTTP date, is `None`).
+pub fn parse_retry_after(v: &str) -> Option<Duration> {
+    let secs: f64 = v.trim().parse().ok()?;
+    Duration::try_from_secs_f64(secs).ok()
+}
+
 /// Finds `"key":<u64>` in a JSON body without parsing the rest (responses to
 /// `/select_and_reserve` carry thousands of hashes the client does not need).
 pub fn scan_u64(body: &[u8], key: &str) -> Option<u64> {
@@ -272,5 +291,13 @@ mod tests {
         assert_eq!(scan_u64(b, "worker_id"), Some(17));
         assert_eq!(scan_u64(b, "missing"), None);
         assert_eq!(scan_u64(br#"{"worker_id":"x"}"#, "worker_id"), None);
+    }
+
+    #[test]
+    fn retry_after_takes_seconds_only() {
+        assert_eq!(parse_retry_after(" 1"), Some(Duration::from_secs(1)));
+        assert_eq!(parse_retry_after("0.25"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), None);
+        assert_eq!(parse_retry_after("-1"), None);
     }
 }

@@ -9,10 +9,12 @@
 //! | `loadgen` | registration, sessions, measurements, report tables | start servers |
 //! | `bench` | spawning/pinning the servers under test, venv setup, profiles | generate load itself |
 //! | `procstat` | CPU seconds of a pid from `/proc` | anything else |
+//! | `freshness` | the server's index-freshness figures from two `/metrics` readings | fetch them |
 //!
 //! Nothing here is used by the selector itself.
 
 pub mod bench;
+pub mod freshness;
 pub mod http;
 pub mod loadgen;
 pub mod mocker;

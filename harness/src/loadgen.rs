@@ -11,10 +11,16 @@
 //!
 //! - `Reserve` flow: `POST /select_and_reserve` (the timed call), the chosen
 //!   mock worker serves the prompt (publishing its KV events), then
-//!   `prefill_complete`, `output_blocks` x `output_block`, `DELETE`.
+//!   `prefill_complete`, `output_blocks` x `output_block`, the decode wait
+//!   (`decode`, the booking held), `DELETE`.
 //! - `Ray` flow (the embedded-Python pattern): `POST /select` with a
 //!   `selection_id` (timed), serve, `POST /reservations` replay, then the same
 //!   lifecycle.
+//!
+//! A selection answered 429 is retried after its `Retry-After` and counted
+//! apart from errors. Besides latency and CPU, the report carries routing
+//! quality measured here (hit ratio, session moves, blocks the mock engines
+//! stored) and the server's own freshness figures (`harness::freshness`).
 //!
 //! Tokens are a pure function of (session, generation, position), so nothing
 //! but a length is stored per session unless the JSON cache fits the budget.
@@ -28,8 +34,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tokio::task::JoinSet;
 
+use super::freshness::{Freshness, Reading};
 use super::http::{scan_u64, HttpConn};
-use super::mocker::Mocker;
+use super::mocker::{Mocker, Published};
 use super::procstat;
 
 /// Llama-3 vocabulary size; token ids are drawn below it.
@@ -97,6 +104,12 @@ pub struct LoadConfig {
     /// uncached blocks); those workers' caches thrash and the hit ratio falls
     /// to about the prefix's share (0.17 for `small`), depending on timing.
     pub rate: Option<f64>,
+    /// Time a turn holds its reservation between its last `output_block`
+    /// and the free (the engine's decode).
+    pub decode: Duration,
+    /// After the load stops, the server's CPU is sampled this long (a
+    /// backlog of KV events shows as CPU with no requests).
+    pub tail: Duration,
 }
 
 /// Longest spacing of paced turns (a rate below one turn a day is taken as
@@ -123,6 +136,8 @@ impl Default for LoadConfig {
             json_cache_bytes: 1 << 30,
             max_inflight: 256,
             rate: None,
+            decode: Duration::ZERO,
+            tail: Duration::from_secs(5),
         }
     }
 }
@@ -136,13 +151,22 @@ pub struct Report {
     pub offered_rate: Option<f64>,
     /// Pause of a session between its turns.
     pub think_ms: u64,
+    /// Reservation held between the last output block and the free.
+    pub decode_ms: u64,
+    /// How the server and the harness were placed on cores (`unpinned`, or
+    /// `server 0, client 1`); `None` when the runner did not say.
+    pub pinning: Option<String>,
     pub workers: usize,
     pub sessions: usize,
     pub mean_isl_target: usize,
     pub mean_isl_observed: f64,
     pub window_s: f64,
     pub requests: u64,
+    /// Failed calls (a 429 is not one: see `rejected_429`).
     pub errors: u64,
+    /// Selections answered 429 (shed by the server's admission control) in
+    /// the window; each turn was retried after `Retry-After`.
+    pub rejected_429: u64,
     pub requests_per_s: f64,
     pub select_p50_ms: f64,
     pub select_p99_ms: f64,
@@ -151,6 +175,10 @@ pub struct Report {
     pub server_cpu_s: Option<f64>,
     pub server_cpu_ms_per_request: Option<f64>,
     pub server_cores_used: Option<f64>,
+    /// Length of the tail period sampled once the load stopped.
+    pub tail_s: Option<f64>,
+    /// Server cores used in the tail period (work left after the load).
+    pub tail_server_cores_used: Option<f64>,
     pub harness_cpu_s: f64,
     pub harness_cores_used: f64,
     /// Cores busy machine-wide minus server and harness: other processes
@@ -158,6 +186,23 @@ pub struct Report {
     pub other_cores_used: Option<f64>,
     /// Share of prompt blocks the chosen mock worker already had cached.
     pub kv_hit_ratio: f64,
+    /// Counted turns whose session (same history) had its previous turn
+    /// counted in the window too.
+    pub session_turns_with_previous: u64,
+    /// Of those, turns sent to a different worker than the previous turn.
+    pub session_moves: u64,
+    /// `session_moves / session_turns_with_previous`.
+    pub session_moves_per_request: Option<f64>,
+    /// Blocks the mock engines announced in `BlockStored` in the window.
+    pub blocks_stored: u64,
+    pub blocks_stored_per_request: Option<f64>,
+    /// Blocks the mock engines evicted (`BlockRemoved`) in the window.
+    pub blocks_removed: u64,
+    pub blocks_removed_per_request: Option<f64>,
+    /// KV-event batches the mock engines published in the window.
+    pub kv_batches_published: u64,
+    /// The server's own freshness figures (`None`s for the reference).
+    pub freshness: Freshness,
     /// The server's token-array loop (`avx512`, `avx2`, `scalar`), read from
     /// its `/metrics` gauge `kvselect_simd_path`; `None` for a server without
     /// it (the reference).
@@ -324,6 +369,9 @@ struct SessionStats {
     isl_sum: u64,
     hit_blocks: u64,
     prompt_blocks: u64,
+    rejected_429: u64,
+    turns_with_previous: u64,
+    moves: u64,
     first_error: Option<String>,
 }
 
@@ -338,8 +386,23 @@ impl SessionStats {
     }
 }
 
+/// Wait before retrying a selection answered 429 without a usable
+/// `Retry-After`.
+const SHED_BACKOFF: Duration = Duration::from_millis(50);
+/// Longest `Retry-After` honoured (a larger one is cut to this).
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(10);
+
+/// A successful answer of [`call`].
+enum Answer {
+    /// The expected status; the `worker_id` when asked for.
+    Done(Option<u64>),
+    /// 429 (only when the caller accepts it): retry after this long.
+    Shed(Duration),
+}
+
 /// One call on a pooled connection; `Err` text names the call. Returns the
 /// response's `worker_id` when `want_worker` (an error if it is missing).
+/// With `shed_ok`, a 429 is an answer, not an error.
 async fn call(
     sh: &Shared,
     method: &str,
@@ -347,7 +410,8 @@ async fn call(
     body: Option<&[&[u8]]>,
     want: u16,
     want_worker: bool,
-) -> Result<Option<u64>, String> {
+    shed_ok: bool,
+) -> Result<Answer, String> {
     let mut c = sh.pool.get().await.map_err(|e| format!("connect: {e}"))?;
     let r = c
         .request_parts(method, path, body, sh.cfg.request_timeout)
@@ -356,13 +420,18 @@ async fn call(
         Ok(s) if s == want => {
             if want_worker {
                 match scan_u64(c.body(), "worker_id") {
-                    Some(w) => Ok(Some(w)),
+                    Some(w) => Ok(Answer::Done(Some(w))),
                     None => Err(format!("{method} {path}: no worker_id in response")),
                 }
             } else {
-                Ok(None)
+                Ok(Answer::Done(None))
             }
         }
+        Ok(429) if shed_ok => Ok(Answer::Shed(
+            c.retry_after()
+                .unwrap_or(SHED_BACKOFF)
+                .clamp(Duration::from_millis(1), MAX_RETRY_AFTER),
+        )),
         Ok(s) => Err(format!(
             "{method} {path} -> {s}: {}",
             String::from_utf8_lossy(&c.body()[..c.body().len().min(300)])
@@ -371,6 +440,19 @@ async fn call(
     };
     sh.pool.put(c);
     res
+}
+
+/// A lifecycle call: the expected status or an error.
+async fn step(
+    sh: &Shared,
+    method: &str,
+    path: &str,
+    body: Option<&[&[u8]]>,
+    want: u16,
+) -> Result<(), String> {
+    call(sh, method, path, body, want, false, false)
+        .await
+        .map(|_| ())
 }
 
 /// One lifecycle call of a turn: method, path, JSON body parts.
@@ -388,6 +470,9 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
     let mut cached_tokens: Vec<u32> = Vec::new();
     let mut hist_json: Vec<u8> = Vec::new();
     let mut hist_json_len = prefix; // history tokens covered by hist_json
+                                    // Worker of the session's previous answered turn, and whether that turn
+                                    // was counted in the window; reset when the session restarts.
+    let mut prev: Option<(u64, bool)> = None;
     loop {
         if Instant::now() >= sh.end {
             break;
@@ -450,13 +535,32 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
             Flow::Reserve => "/select_and_reserve",
             Flow::Ray => "/select",
         };
-        let t0 = Instant::now();
-        let r = call(&sh, "POST", route, Some(&parts), 200, true).await;
-        let t1 = Instant::now();
+        // A 429 is the server shedding load: the turn waits `Retry-After`
+        // and tries again (until the run ends), and only the answered
+        // attempt is timed.
+        let (r, t0, t1) = loop {
+            let t0 = Instant::now();
+            let r = call(&sh, "POST", route, Some(&parts), 200, true, true).await;
+            let t1 = Instant::now();
+            match r {
+                Ok(Answer::Shed(wait)) => {
+                    if t0 >= sh.measure_start && t0 < sh.end {
+                        st.rejected_429 += 1;
+                    }
+                    if Instant::now() + wait >= sh.end {
+                        break (Ok(None), t0, t1);
+                    }
+                    tokio::time::sleep(wait).await;
+                }
+                Ok(Answer::Done(w)) => break (Ok(w), t0, t1),
+                Err(e) => break (Err(e), t0, t1),
+            }
+        };
         let in_window = t0 >= sh.measure_start && t1 <= sh.end;
         // A turn that started in the window counts its failures even when
         // they surface after it (a timeout outlives the window).
         let err_window = t0 >= sh.measure_start;
+        let shed_to_the_end = matches!(r, Ok(None));
         let worker = match r {
             Ok(w) => w,
             Err(e) => {
@@ -464,6 +568,17 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
                 None
             }
         };
+        if let Some(w) = worker {
+            // A move: the session's previous turn (same history, counted in
+            // the window) went to another worker.
+            if in_window {
+                if let Some((pw, true)) = prev {
+                    st.turns_with_previous += 1;
+                    st.moves += u64::from(pw != w);
+                }
+            }
+            prev = Some((w, in_window));
+        }
         if let Some(worker) = worker {
             if in_window {
                 st.lat_us
@@ -487,7 +602,7 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
             if cfg.flow == Flow::Ray && !failed {
                 let rb = format!("{{\"selection_id\":\"{sel_id}\"}}");
                 let rb: [&[u8]; 1] = [rb.as_bytes()];
-                if let Err(e) = call(&sh, "POST", "/reservations", Some(&rb), 201, false).await {
+                if let Err(e) = step(&sh, "POST", "/reservations", Some(&rb), 201).await {
                     st.error(err_window, e);
                     failed = true;
                 }
@@ -502,12 +617,18 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
                 }
                 steps.push(("DELETE", base.clone(), None));
                 for (m, p, b) in steps {
-                    if let Err(e) = call(&sh, m, &p, b, 200, false).await {
+                    if m == "DELETE" && !cfg.decode.is_zero() {
+                        // The engine decodes with the booking held.
+                        tokio::time::sleep(cfg.decode).await;
+                    }
+                    if let Err(e) = step(&sh, m, &p, b, 200).await {
                         st.error(err_window, e);
                         break;
                     }
                 }
             }
+        } else if shed_to_the_end {
+            break;
         } else {
             // Back off a little so a failing server is not spun on.
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -520,6 +641,7 @@ async fn run_session(sh: Arc<Shared>, sid: u64, start_len: usize) -> SessionStat
         len += cfg.turn_growth;
         if len > sh.max_len {
             gen += 1;
+            prev = None;
             len = sh.min_len;
             cached_tokens.clear();
             hist_json.clear();
@@ -596,7 +718,15 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
             .and_then(|r| Duration::try_from_secs_f64(1.0 / r).ok())
             .map(|every| (Mutex::new(Instant::now()), every.min(MAX_TURN_SPACING))),
     });
+    // The window opens at `measure_start`: these readings are taken then
+    // (before the sessions start when there is no warm-up, so that the
+    // window holds every turn).
     let mut set = JoinSet::new();
+    let mut stats = Vec::new();
+    let mut opened: Option<Opening> = None;
+    if cfg.warmup.is_zero() {
+        opened = Some(Opening::take(&cfg, &mocker, ticks, me).await);
+    }
     let span = (max_len - min_len) / cfg.turn_growth.max(1);
     for sid in 0..cfg.sessions as u64 {
         // Spread the sessions' starting points over their life so prompt
@@ -605,7 +735,6 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
         let start_len = min_len + k * cfg.turn_growth;
         set.spawn(run_session(Arc::clone(&sh), sid, start_len));
     }
-    let mut stats = Vec::new();
     let _ = tokio::time::timeout_at(measure_start.into(), async {
         while let Some(r) = set.join_next().await {
             if let Ok(s) = r {
@@ -614,10 +743,10 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
         }
     })
     .await;
-    let srv0 = cfg.server_pid.and_then(|p| procstat::cpu_seconds(p, ticks));
-    let me0 = procstat::cpu_seconds(me, ticks).unwrap_or(0.0);
-    let all0 = procstat::machine_busy_seconds(ticks);
-    let w0 = Instant::now();
+    let open = match opened {
+        Some(o) => o,
+        None => Opening::take(&cfg, &mocker, ticks, me).await,
+    };
     let _ = tokio::time::timeout_at(end.into(), async {
         while let Some(r) = set.join_next().await {
             if let Ok(s) = r {
@@ -629,20 +758,40 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
     let srv1 = cfg.server_pid.and_then(|p| procstat::cpu_seconds(p, ticks));
     let me1 = procstat::cpu_seconds(me, ticks).unwrap_or(0.0);
     let all1 = procstat::machine_busy_seconds(ticks);
-    let window = w0.elapsed().as_secs_f64().max(1e-9);
+    let pub1 = mocker.published();
+    let window = open.at.elapsed().as_secs_f64().max(1e-9);
+    let metrics1 = server_metrics(&cfg.addr).await;
     while let Some(r) = set.join_next().await {
         if let Ok(s) = r {
             stats.push(s);
         }
     }
+    // The load has stopped: what the server still does now is work the
+    // load left behind (a backlog of KV events).
+    let mut tail = None;
+    if !cfg.tail.is_zero() {
+        if let Some(t0) = cfg.server_pid.and_then(|p| procstat::cpu_seconds(p, ticks)) {
+            let at = Instant::now();
+            tokio::time::sleep(cfg.tail).await;
+            if let Some(t1) = cfg.server_pid.and_then(|p| procstat::cpu_seconds(p, ticks)) {
+                let secs = at.elapsed().as_secs_f64().max(1e-9);
+                tail = Some((secs, (t1 - t0) / secs));
+            }
+        }
+    }
+    let metrics2 = server_metrics(&cfg.addr).await;
 
-    let simd_path = server_simd_path(&cfg.addr).await;
+    let simd_path = metrics2
+        .as_deref()
+        .or(metrics1.as_deref())
+        .and_then(simd_path_of);
     let mut lat: Vec<u32> = Vec::new();
     let mut rep = Report {
         server: server.to_string(),
         flow: format!("{:?}", cfg.flow).to_lowercase(),
         offered_rate: sh.pacer.as_ref().and(cfg.rate),
         think_ms: cfg.think.as_millis() as u64,
+        decode_ms: cfg.decode.as_millis() as u64,
         workers: mocker.config().workers,
         sessions: cfg.sessions,
         mean_isl_target: cfg.mean_isl,
@@ -655,6 +804,9 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
         lat.extend_from_slice(&s.lat_us);
         rep.requests += s.requests;
         rep.errors += s.errors;
+        rep.rejected_429 += s.rejected_429;
+        rep.session_turns_with_previous += s.turns_with_previous;
+        rep.session_moves += s.moves;
         isl += s.isl_sum;
         hit += s.hit_blocks;
         blocks += s.prompt_blocks;
@@ -663,14 +815,23 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
         }
     }
     lat.sort_unstable();
+    let per_request = |v: u64| (rep.requests > 0).then(|| v as f64 / rep.requests as f64);
     rep.requests_per_s = rep.requests as f64 / window;
     rep.mean_isl_observed = isl as f64 / rep.requests.max(1) as f64;
     rep.kv_hit_ratio = hit as f64 / blocks.max(1) as f64;
+    rep.session_moves_per_request = (rep.session_turns_with_previous > 0)
+        .then(|| rep.session_moves as f64 / rep.session_turns_with_previous as f64);
+    let published = pub1.since(&open.published);
+    rep.blocks_stored = published.stored_blocks;
+    rep.blocks_removed = published.removed_blocks;
+    rep.kv_batches_published = published.batches;
+    rep.blocks_stored_per_request = per_request(rep.blocks_stored);
+    rep.blocks_removed_per_request = per_request(rep.blocks_removed);
     rep.select_p50_ms = percentile(&lat, 0.50);
     rep.select_p99_ms = percentile(&lat, 0.99);
     rep.select_p999_ms = percentile(&lat, 0.999);
     rep.select_max_ms = lat.last().map(|&v| v as f64 / 1000.0).unwrap_or(0.0);
-    if let (Some(a), Some(b)) = (srv0, srv1) {
+    if let (Some(a), Some(b)) = (open.server_cpu, srv1) {
         let cpu = b - a;
         rep.server_cpu_s = Some(cpu);
         rep.server_cores_used = Some(cpu / window);
@@ -678,19 +839,55 @@ pub async fn run(cfg: LoadConfig, mocker: Arc<Mocker>, server: &str) -> Report {
             rep.server_cpu_ms_per_request = Some(cpu * 1000.0 / rep.requests as f64);
         }
     }
-    rep.harness_cpu_s = me1 - me0;
+    if let Some((secs, cores)) = tail {
+        rep.tail_s = Some(secs);
+        rep.tail_server_cores_used = Some(cores);
+    }
+    rep.harness_cpu_s = me1 - open.harness_cpu;
     rep.harness_cores_used = rep.harness_cpu_s / window;
-    if let (Some(a), Some(b)) = (all0, all1) {
+    if let (Some(a), Some(b)) = (open.machine_busy, all1) {
         let others = (b - a) - rep.harness_cpu_s - rep.server_cpu_s.unwrap_or(0.0);
         rep.other_cores_used = Some((others / window).max(0.0));
+    }
+    if let (Some(m0), Some(m1)) = (&open.metrics, &metrics1) {
+        rep.freshness = Freshness::between(&Reading::parse(m0), &Reading::parse(m1));
+        rep.freshness.queued_batches_after_tail = metrics2
+            .as_deref()
+            .and_then(|m| Reading::parse(m).queued_batches);
     }
     rep
 }
 
-/// The token-array loop the selector at `addr` runs: the `path` label of
-/// its `kvselect_simd_path` gauge on `GET /metrics`. `None` when the server
-/// has no such gauge (the reference) or does not answer.
-pub async fn server_simd_path(addr: &str) -> Option<String> {
+/// The readings that open the measured window.
+struct Opening {
+    at: Instant,
+    server_cpu: Option<f64>,
+    harness_cpu: f64,
+    machine_busy: Option<f64>,
+    published: Published,
+    /// The server's `/metrics` text (`None` if it has none).
+    metrics: Option<String>,
+}
+
+impl Opening {
+    /// Reads `/metrics` first (a request, the slow part), then the
+    /// counters, so the window starts with the counters.
+    async fn take(cfg: &LoadConfig, mocker: &Mocker, ticks: u64, me: u32) -> Opening {
+        let metrics = server_metrics(&cfg.addr).await;
+        Opening {
+            server_cpu: cfg.server_pid.and_then(|p| procstat::cpu_seconds(p, ticks)),
+            harness_cpu: procstat::cpu_seconds(me, ticks).unwrap_or(0.0),
+            machine_busy: procstat::machine_busy_seconds(ticks),
+            published: mocker.published(),
+            metrics,
+            at: Instant::now(),
+        }
+    }
+}
+
+/// The text of `GET /metrics` of the selector at `addr`; `None` when it
+/// does not answer 200 with UTF-8.
+pub async fn server_metrics(addr: &str) -> Option<String> {
     let mut c = HttpConn::connect(addr).await.ok()?;
     let status = c
         .request("GET", "/metrics", None, Duration::from_secs(10))
@@ -699,7 +896,14 @@ pub async fn server_simd_path(addr: &str) -> Option<String> {
     if status != 200 {
         return None;
     }
-    simd_path_of(std::str::from_utf8(c.body()).ok()?)
+    String::from_utf8(c.body().to_vec()).ok()
+}
+
+/// The token-array loop the selector at `addr` runs: the `path` label of
+/// its `kvselect_simd_path` gauge on `GET /metrics`. `None` when the server
+/// has no such gauge (the reference) or does not answer.
+pub async fn server_simd_path(addr: &str) -> Option<String> {
+    simd_path_of(&server_metrics(addr).await?)
 }
 
 /// The `path` label of the `kvselect_simd_path` sample in a Prometheus text
@@ -719,9 +923,24 @@ fn opt(v: Option<f64>, prec: usize) -> String {
         .unwrap_or_else(|| "n/a".into())
 }
 
+fn opt_u64(v: Option<u64>) -> String {
+    v.map(|v| v.to_string()).unwrap_or_else(|| "n/a".into())
+}
+
 /// Table rows `(metric, value)` of a report, shared by the single and the
-/// side-by-side printers.
+/// side-by-side printers. Every report has the same rows; a figure the
+/// server does not publish reads `n/a`.
 pub fn rows(r: &Report) -> Vec<(&'static str, String)> {
+    let f = &r.freshness;
+    let lag = if f.index_lag.is_empty() {
+        "n/a".to_string()
+    } else {
+        f.index_lag
+            .iter()
+            .map(|(k, v)| format!("{k} {v:.3}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     vec![
         (
             "server SIMD path",
@@ -730,8 +949,13 @@ pub fn rows(r: &Report) -> Vec<(&'static str, String)> {
         ("requests/s", format!("{:.1}", r.requests_per_s)),
         ("requests (window)", r.requests.to_string()),
         ("errors", r.errors.to_string()),
+        ("rejected 429 (retried)", r.rejected_429.to_string()),
         ("server CPU ms/request", opt(r.server_cpu_ms_per_request, 2)),
         ("server cores used", opt(r.server_cores_used, 2)),
+        (
+            "server cores in the tail after the load",
+            opt(r.tail_server_cores_used, 2),
+        ),
         ("select p50 ms", format!("{:.2}", r.select_p50_ms)),
         ("select p99 ms", format!("{:.2}", r.select_p99_ms)),
         ("select p999 ms", format!("{:.2}", r.select_p999_ms)),
@@ -739,6 +963,33 @@ pub fn rows(r: &Report) -> Vec<(&'static str, String)> {
         ("other processes, cores", opt(r.other_cores_used, 2)),
         ("mean ISL (tokens)", format!("{:.0}", r.mean_isl_observed)),
         ("KV hit ratio", format!("{:.3}", r.kv_hit_ratio)),
+        (
+            "session moves per request",
+            opt(r.session_moves_per_request, 3),
+        ),
+        (
+            "blocks stored per request",
+            opt(r.blocks_stored_per_request, 0),
+        ),
+        ("blocks stored (window)", r.blocks_stored.to_string()),
+        (
+            "blocks removed per request",
+            opt(r.blocks_removed_per_request, 0),
+        ),
+        ("KV batches applied (server)", opt_u64(f.batches_applied)),
+        ("receipt-to-index ms, mean", opt(f.apply_delay_mean_ms, 3)),
+        ("receipt-to-index ms, p99", opt(f.apply_delay_p99_ms, 3)),
+        ("engine-to-index ms, mean", opt(f.engine_delay_mean_ms, 3)),
+        ("engine-to-index ms, p99", opt(f.engine_delay_p99_ms, 3)),
+        (
+            "queued batches at window end",
+            opt(f.queued_batches_at_end, 0),
+        ),
+        (
+            "queued batches after the tail",
+            opt(f.queued_batches_after_tail, 0),
+        ),
+        ("index lag gauges (max)", lag),
     ]
 }
 

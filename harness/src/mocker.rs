@@ -15,7 +15,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -110,6 +110,39 @@ pub struct ServeOutcome {
     pub removed_blocks: usize,
     /// Seq of the published batch; `None` when nothing changed.
     pub seq: Option<u64>,
+}
+
+/// What the whole fleet has published since it started (every batch sent,
+/// including one whose send failed at the high-water mark: its seq is
+/// consumed and replay can still deliver it). Read before and after a
+/// measured window, the difference is what the engines published in it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Published {
+    /// KV-event batches (one per `serve` that changed the cache, one per
+    /// `clear`).
+    pub batches: u64,
+    /// Block hashes announced in `BlockStored` events.
+    pub stored_blocks: u64,
+    /// Block hashes announced in `BlockRemoved` events.
+    pub removed_blocks: u64,
+}
+
+impl Published {
+    /// `self - earlier`, per field.
+    pub fn since(&self, earlier: &Published) -> Published {
+        Published {
+            batches: self.batches.saturating_sub(earlier.batches),
+            stored_blocks: self.stored_blocks.saturating_sub(earlier.stored_blocks),
+            removed_blocks: self.removed_blocks.saturating_sub(earlier.removed_blocks),
+        }
+    }
+}
+
+#[derive(Default)]
+struct PublishedCounters {
+    batches: AtomicU64,
+    stored_blocks: AtomicU64,
+    removed_blocks: AtomicU64,
 }
 
 /// Public endpoints of one worker, for registration.
@@ -290,6 +323,7 @@ pub struct Mocker {
     workers: Vec<Worker>,
     stop: Arc<AtomicBool>,
     replay_thread: Option<JoinHandle<()>>,
+    published: PublishedCounters,
     // Kept last so sockets close before their contexts terminate.
     _contexts: Vec<zmq::Context>,
 }
@@ -359,12 +393,23 @@ impl Mocker {
             workers,
             stop,
             replay_thread: Some(replay_thread),
+            published: PublishedCounters::default(),
             _contexts: contexts,
         })
     }
 
     pub fn config(&self) -> &MockerConfig {
         &self.cfg
+    }
+
+    /// Totals the fleet has published so far (see [`Published`]).
+    pub fn published(&self) -> Published {
+        let p = &self.published;
+        Published {
+            batches: p.batches.load(Ordering::Relaxed),
+            stored_blocks: p.stored_blocks.load(Ordering::Relaxed),
+            removed_blocks: p.removed_blocks.load(Ordering::Relaxed),
+        }
     }
 
     /// Endpoints of every worker, in worker order.
@@ -490,6 +535,11 @@ impl Mocker {
             zmq::DONTWAIT,
         );
         self.remember(w, seq, payload);
+        let p = &self.published;
+        p.batches.fetch_add(1, Ordering::Relaxed);
+        p.stored_blocks.fetch_add(new as u64, Ordering::Relaxed);
+        p.removed_blocks
+            .fetch_add(outcome.removed_blocks as u64, Ordering::Relaxed);
         outcome.seq = Some(seq);
         Ok(outcome)
     }
@@ -515,6 +565,7 @@ impl Mocker {
         );
         drop(st);
         self.remember(w, seq, payload);
+        self.published.batches.fetch_add(1, Ordering::Relaxed);
         Ok(seq)
     }
 

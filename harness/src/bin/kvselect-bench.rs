@@ -1,10 +1,11 @@
 //! `kvselect-bench`: the issue-5 experiment in one command. Starts each
-//! selector in turn (kvselect, then the Dynamo reference) pinned to the
-//! server cores, drives the same workload against it from this process
-//! (pinned to the client cores), stops it, and prints a side-by-side table
-//! and one JSON line per server.
+//! selector in turn (kvselect, then the Dynamo reference), pinned to the
+//! server cores or not (`--unpinned`), drives the same workload against it
+//! from this process (pinned to the client cores or not), stops it, and
+//! prints a side-by-side table and one JSON line per server.
 //!
 //! `cargo run --release --bin kvselect-bench -- --profile small --server-cores 0 --client-cores 1`
+//! `cargo run --release --bin kvselect-bench -- --profile seed --unpinned`
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -30,8 +31,17 @@ struct Cli {
     #[arg(long, default_value = DEFAULT_VENV)]
     ref_venv: PathBuf,
     /// Cores for the server under test (taskset list, e.g. `0`).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "unpinned")]
     server_cores: Option<String>,
+    /// Pin the server to core 0 and this harness to core 1 (the split of
+    /// the 2-core runs; `--server-cores`/`--client-cores` choose others).
+    #[arg(long, conflicts_with = "unpinned")]
+    pinned: bool,
+    /// Pin nothing: the server and this harness share every core, with no
+    /// `taskset` and no `--cores` for kvselect (the saturated closed loop
+    /// of issue 17 ran so).
+    #[arg(long)]
+    unpinned: bool,
     /// Server logs go here.
     #[arg(long, default_value = "/tmp/kvselect-bench")]
     log_dir: PathBuf,
@@ -46,8 +56,39 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> String {
     }
 }
 
+fn fmt_opt(v: Option<f64>, prec: usize) -> String {
+    v.map(|v| format!("{v:.prec$}"))
+        .unwrap_or_else(|| "n/a".into())
+}
+
 fn main() {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    if cli.unpinned {
+        if cli.load.client_cores.is_some() {
+            eprintln!("--unpinned and --client-cores exclude each other");
+            std::process::exit(2);
+        }
+        if cli
+            .kvselect_args
+            .split_whitespace()
+            .any(|a| a == "--cores" || a.starts_with("--cores="))
+        {
+            eprintln!("--unpinned: leave --cores out of --kvselect-args");
+            std::process::exit(2);
+        }
+    }
+    if cli.pinned {
+        cli.server_cores.get_or_insert_with(|| "0".into());
+        cli.load.client_cores.get_or_insert_with(|| "1".into());
+    }
+    let pinning = match (&cli.server_cores, &cli.load.client_cores) {
+        (None, None) => "unpinned".to_string(),
+        (s, c) => format!(
+            "server {}, client {}",
+            s.as_deref().unwrap_or("any"),
+            c.as_deref().unwrap_or("any")
+        ),
+    };
     if let Some(c) = &cli.load.client_cores {
         if let Err(e) = bench::pin_self(c) {
             eprintln!("warning: {e}");
@@ -158,7 +199,8 @@ fn main() {
         let r = rt.block_on(bench::run_against(name, &wl, Some(pid)));
         server.stop(Duration::from_secs(10));
         match r {
-            Ok(rep) => {
+            Ok(mut rep) => {
+                rep.pinning = Some(pinning.clone());
                 eprint!("{}", loadgen::table(std::slice::from_ref(&rep)));
                 reports.push(rep);
             }
@@ -171,7 +213,7 @@ fn main() {
     }
     let w = &reports[0];
     println!(
-        "\nprofile {}: {} mock workers, {} sessions, prefix {} tokens, mean ISL {} (observed {:.0}), flow {}, {}, server cores {}, client cores {}\n",
+        "\nprofile {}: {} mock workers, {} sessions, prefix {} tokens, mean ISL {} (observed {:.0}), flow {}, {}{}, {pinning}\n",
         cli.load.profile,
         w.workers,
         w.sessions,
@@ -184,8 +226,10 @@ fn main() {
             (None, 0) => "closed loop".to_string(),
             (None, t) => format!("unpaced, {t} ms think time"),
         },
-        cli.server_cores.as_deref().unwrap_or("any"),
-        cli.load.client_cores.as_deref().unwrap_or("any"),
+        match w.decode_ms {
+            0 => String::new(),
+            d => format!(", {d} ms decode"),
+        },
     );
     print!("{}", loadgen::table(&reports));
     let k = reports.iter().find(|r| r.server == "kvselect");
@@ -197,6 +241,15 @@ fn main() {
             ratio(Some(rf.select_p99_ms), Some(k.select_p99_ms)),
             ratio(Some(k.requests_per_s), Some(rf.requests_per_s))
                 .replace('x', "x (kvselect/reference)"),
+        );
+        println!(
+            "routing: KV hit ratio kvselect {:.3} vs reference {:.3}; session moves per request {} vs {}; blocks stored per request {} vs {}",
+            k.kv_hit_ratio,
+            rf.kv_hit_ratio,
+            fmt_opt(k.session_moves_per_request, 3),
+            fmt_opt(rf.session_moves_per_request, 3),
+            fmt_opt(k.blocks_stored_per_request, 0),
+            fmt_opt(rf.blocks_stored_per_request, 0),
         );
     }
     for r in &reports {

@@ -59,7 +59,12 @@ fn main() {
         }
     };
     match rt.block_on(bench::run_against(&cli.name, &wl, cli.server_pid)) {
-        Ok(rep) => {
+        Ok(mut rep) => {
+            rep.pinning = cli
+                .load
+                .client_cores
+                .as_ref()
+                .map(|c| format!("client {c}"));
             print!("{}", loadgen::table(std::slice::from_ref(&rep)));
             println!("{}", serde_json::to_string(&rep).unwrap_or_default());
             if rep.errors > 0 {
