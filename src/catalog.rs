@@ -7,7 +7,7 @@
 //! a slow catalog change (stopping a subscriber) never blocks a selection.
 
 use crate::index::{Index, WorkerRank};
-use crate::ingest::{validate_kv_endpoint, IngestHub, ListenerSpec, ListenerState};
+use crate::ingest::{validate_kv_endpoint, IngestHub, ListenerSpec, ListenerState, StreamHealth};
 use crate::parse::{KvTransferEnforcement, WorkerFields};
 use crate::reserve::Ledger;
 use parking_lot::{Mutex, RwLock};
@@ -58,6 +58,9 @@ pub struct RankInfo {
     pub taints: Arc<[String]>,
     pub max_num_batched_tokens: Option<u64>,
     pub total_kv_blocks: Option<u64>,
+    /// The health of the rank's KV-event stream (its overlap counts less
+    /// while it is stale; `app/selection.rs`).
+    pub stream: Option<StreamHealth>,
 }
 
 /// A partition with its schedulable ranks, sorted by (worker_id, dp_rank).
@@ -617,7 +620,12 @@ impl Catalog {
             let list = ranks
                 .entry((w.model_name.clone(), w.routing_group.clone()))
                 .or_default();
+            let health = self.hub.health(w.worker_id);
             for dp_rank in w.ranks() {
+                let stream = health
+                    .iter()
+                    .find(|(r, _)| *r == dp_rank)
+                    .map(|(_, h)| h.clone());
                 list.push(RankInfo {
                     wr: WorkerRank {
                         worker_id: w.worker_id,
@@ -627,6 +635,7 @@ impl Catalog {
                     taints: Arc::clone(&taints),
                     max_num_batched_tokens: w.max_num_batched_tokens,
                     total_kv_blocks: w.total_kv_blocks,
+                    stream,
                 });
             }
         }

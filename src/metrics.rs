@@ -416,6 +416,11 @@ fn state_registry(app: &App) -> Registry {
             "Advisory selects answered while the index was past the freshness bound (flagged x-kvselect-index-stale).",
             &app.gate.stale_answers,
         ),
+        (
+            "kvselect_stale_overlap_discounts_total",
+            "Candidates whose overlap counted half because their KV stream was stale (replaying, not connected, or silent while it has bookings).",
+            &app.gate.discounted,
+        ),
     ] {
         registered(&r, IntCounter::new(name, help).expect("valid"))
             .inc_by(v.load(std::sync::atomic::Ordering::Relaxed));

@@ -171,6 +171,8 @@ impl SelectionService {
         replica_sync_host = "127.0.0.1",
         allow_ipc_endpoints = false,
         simd = None,
+        max_index_lag_ms = kvselect::config::DEFAULT_MAX_INDEX_LAG_MS,
+        index_lag_max_wait_ms = kvselect::config::DEFAULT_INDEX_LAG_MAX_WAIT_MS,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -186,7 +188,14 @@ impl SelectionService {
         replica_sync_host: &str,
         allow_ipc_endpoints: bool,
         simd: Option<String>,
+        max_index_lag_ms: u64,
+        index_lag_max_wait_ms: u64,
     ) -> PyResult<Self> {
+        if index_lag_max_wait_ms == 0 {
+            return Err(PyValueError::new_err(
+                "index_lag_max_wait_ms must be at least 1",
+            ));
+        }
         if let Some(t) = session_affinity_ttl_secs {
             if !(1.0..=31_536_000.0).contains(&t) {
                 return Err(PyValueError::new_err(
@@ -233,6 +242,11 @@ impl SelectionService {
             session_affinity_ttl: session_affinity_ttl_secs.map(Duration::from_secs_f64),
             allow_ipc_endpoints,
             number_path,
+            // The freshness gate, as the server's --max-index-lag-ms (0: off).
+            freshness: kvselect::config::Freshness {
+                max_lag: (max_index_lag_ms > 0).then(|| Duration::from_millis(max_index_lag_ms)),
+                max_wait: Duration::from_millis(index_lag_max_wait_ms),
+            },
             ..Config::default()
         };
         if let Some(c) = selection_cache.map(|c| c.get().clone()) {

@@ -154,6 +154,21 @@ async def test_simd_keyword_and_environment(impl):
 
 @pytest.mark.kvselect_only
 @async_test
+async def test_freshness_keywords(impl):
+    with pytest.raises(ValueError, match="index_lag_max_wait_ms must be at least 1"):
+        impl.SelectionService(index_lag_max_wait_ms=0)
+    # the gate on (a tight bound) and off answer alike on a caught-up index
+    for lag in (1, 0):
+        async with service(impl, max_index_lag_ms=lag, index_lag_max_wait_ms=500) as svc:
+            await svc.upsert_worker(worker(1))
+            await wait_loaded(svc, 1)
+            r = await svc.select_and_reserve({"token_ids": list(range(1, 65))})
+            assert r["worker_id"] == 1, r
+            assert len(r["sequence_hashes"]) == 4, r
+
+
+@pytest.mark.kvselect_only
+@async_test
 async def test_queue_threshold_waits_without_blocking_the_loop(impl, monkeypatch):
     """DYN_ROUTER_QUEUE_THRESHOLD: a select whose workers are all busy waits
     (the event loop keeps running), a free admits it, a cancelled one leaves

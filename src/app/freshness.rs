@@ -54,6 +54,9 @@ pub struct GateCounters {
     pub rejected: AtomicU64,
     /// Advisory selects answered while the index was behind the bound.
     pub stale_answers: AtomicU64,
+    /// Candidates whose overlap counted half because their stream was
+    /// stale (`selection.rs`).
+    pub discounted: AtomicU64,
 }
 
 /// The index's state when a selection was answered.

@@ -8,6 +8,7 @@ use super::{App, ServiceError};
 use crate::catalog::{PartitionView, RankInfo};
 use crate::config::{RouterConfig, DEFAULT_PREFILL_TOKEN_CAPACITY};
 use crate::index::{Overlap, WorkerRank};
+use crate::ingest::Stale;
 use crate::mesh::BookMeta;
 use crate::parse::{SelectKind, SelectRequest};
 use crate::pool::Pooled;
@@ -15,6 +16,7 @@ use crate::reserve::{Booking, PendingKey, PendingSelection, RankLoad};
 use crate::select::{self, CandidateLoad, CostContext};
 use serde::Serialize;
 use std::collections::BTreeMap;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 /// The reply of /select and /select_and_reserve. `sequence_hashes` is not
@@ -48,6 +50,10 @@ pub struct Selection {
     /// `freshness.rs`): sent as headers, not in the body.
     #[serde(skip)]
     pub index: super::freshness::Answered,
+    /// Why the chosen rank's KV stream is stale, if it is (its overlap
+    /// counted half): sent as a header.
+    #[serde(skip)]
+    pub worker_stale: Option<Stale>,
 }
 
 /// Matched prefix lengths in tokens, per tier and per DP rank of the chosen
@@ -83,6 +89,8 @@ pub struct WorkerLoad {
 struct Choice {
     wr: WorkerRank,
     rank: RankInfo,
+    /// Why the chosen rank's stream is stale, if it is.
+    stale: Option<Stale>,
     load: CandidateLoad,
     effective_prefill_tokens: u64,
     /// Every rank's overlap, sorted by rank.
@@ -406,6 +414,7 @@ impl App {
             worker_load,
             sequence_hashes,
             index: Default::default(),
+            worker_stale: choice.stale,
         })
     }
 
@@ -488,16 +497,37 @@ impl App {
         let mut new_blocks = Vec::with_capacity(wrs.len());
         self.ledger
             .new_blocks(&wrs, &prompt.identities, prompt.form, &mut new_blocks);
+        // A rank whose stream is stale (replaying a gap, not connected, or
+        // silent while it has bookings) may be missing blocks or holding
+        // evicted ones: its overlap counts half (issue #17 item 4).
+        let now = Instant::now();
+        let stale: Vec<Option<Stale>> = candidates
+            .iter()
+            .zip(&loads)
+            .map(|(r, l)| {
+                r.stream
+                    .as_ref()
+                    .and_then(|h| h.staleness(now, l.active_requests))
+            })
+            .collect();
         let cands: Vec<CandidateLoad> = wrs
             .iter()
             .zip(loads.iter().zip(&new_blocks))
+            .zip(&stale)
             .map(
-                |(wr, (l, &nb)): (&WorkerRank, (&RankLoad, &u64))| CandidateLoad {
-                    overlap: overlap_in(&hits, *wr),
-                    active_prefill_tokens: l.prefill_tokens,
-                    active_decode_blocks: l.decode_blocks,
-                    active_requests: l.active_requests,
-                    new_blocks: nb,
+                |((wr, (l, &nb)), st): ((&WorkerRank, (&RankLoad, &u64)), &Option<Stale>)| {
+                    let mut overlap = overlap_in(&hits, *wr);
+                    if st.is_some() && overlap != Overlap::default() {
+                        overlap = discounted(overlap);
+                        self.gate.discounted.fetch_add(1, Relaxed);
+                    }
+                    CandidateLoad {
+                        overlap,
+                        active_prefill_tokens: l.prefill_tokens,
+                        active_decode_blocks: l.decode_blocks,
+                        active_requests: l.active_requests,
+                        new_blocks: nb,
+                    }
                 },
             )
             .collect();
@@ -531,6 +561,7 @@ impl App {
         Ok(Choice {
             wr: wrs[i],
             rank: candidates[i].clone(),
+            stale: stale[i],
             load,
             effective_prefill_tokens: select::effective_prefill_tokens(&load.overlap, cfg, &ctx),
             hits,
@@ -597,6 +628,15 @@ fn overlap_of_worker(ranks: &[RankInfo], hits: &[(WorkerRank, Overlap)], bs: u32
         dp,
         cpu,
         disk,
+    }
+}
+
+/// A stale stream's overlap: half of each tier's blocks.
+fn discounted(o: Overlap) -> Overlap {
+    Overlap {
+        device: o.device / 2,
+        host_ext: o.host_ext / 2,
+        disk_ext: o.disk_ext / 2,
     }
 }
 

@@ -26,6 +26,7 @@ pub mod limits;
 use crate::app::freshness::Answered;
 use crate::app::{App, Selection, ServiceError};
 use crate::auth::{Auth, Verdict as AuthVerdict};
+use crate::ingest::Stale;
 use crate::metrics::{Metrics, Timeout};
 use crate::parse::{ParseError, SelectKind};
 use crate::pool::{Pool, Pooled};
@@ -324,8 +325,8 @@ impl Server {
                     index,
                 }) => {
                     let mut r = json(status, body);
-                    if let Some(a) = index {
-                        freshness_headers(r.headers_mut(), a);
+                    if let Some((a, stale)) = index {
+                        freshness_headers(r.headers_mut(), a, stale);
                     }
                     r
                 }
@@ -567,7 +568,7 @@ type Routed = Result<Reply, HttpError>;
 struct Reply {
     status: StatusCode,
     body: Vec<u8>,
-    index: Option<Answered>,
+    index: Option<(Answered, Option<Stale>)>,
 }
 
 impl From<(StatusCode, Vec<u8>)> for Reply {
@@ -587,7 +588,7 @@ fn selection_reply(sel: &Selection) -> Routed {
     Ok(Reply {
         status: StatusCode::OK,
         body: selection_json(sel),
-        index: Some(sel.index),
+        index: Some((sel.index, sel.worker_stale)),
     })
 }
 
@@ -641,7 +642,10 @@ fn json(status: StatusCode, body: Vec<u8>) -> Resp {
     r
 }
 
-fn freshness_headers(h: &mut hyper::HeaderMap, a: Answered) {
+fn freshness_headers(h: &mut hyper::HeaderMap, a: Answered, stale: Option<Stale>) {
+    if let Some(s) = stale {
+        h.insert(WORKER_STALE_HEADER, HeaderValue::from_static(s.as_str()));
+    }
     let ms = format!("{:.1}", a.lag.as_secs_f64() * 1e3);
     if let Ok(v) = HeaderValue::from_str(&ms) {
         h.insert(INDEX_LAG_HEADER, v);
@@ -653,6 +657,9 @@ fn freshness_headers(h: &mut hyper::HeaderMap, a: Answered) {
 
 /// How far behind its KV events the index was when the selection was made.
 const INDEX_LAG_HEADER: HeaderName = HeaderName::from_static("x-kvselect-index-lag-ms");
+/// The chosen rank's KV stream is stale (its overlap counted half):
+/// `replaying`, `not-connected` or `silent`.
+const WORKER_STALE_HEADER: HeaderName = HeaderName::from_static("x-kvselect-worker-stale");
 /// An advisory select answered while the index was past the freshness bound.
 const INDEX_STALE_HEADER: HeaderName = HeaderName::from_static("x-kvselect-index-stale");
 

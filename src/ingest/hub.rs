@@ -19,7 +19,8 @@ use super::listener::Listener;
 use super::poll::{Cmd, Env, Thread};
 use super::spec::{IngestConfig, ListenerSpec};
 use super::stats::{
-    inc, state_of, Counters, Delays, IngestStats, ListenerState, ListenerStats, Shared, NO_SEQ,
+    inc, state_of, Counters, Delays, IngestStats, ListenerState, ListenerStats, Shared,
+    StreamHealth, NO_SEQ,
 };
 use super::zctx::{Ctx, Socket};
 use std::collections::HashMap;
@@ -194,6 +195,19 @@ impl IngestHub {
         for a in reg.workers.remove(&worker_id).unwrap_or_default() {
             self.stop(&mut reg, a);
         }
+    }
+
+    /// Health handles of `worker_id`'s streams, by dp rank.
+    pub fn health(&self, worker_id: u64) -> Vec<(u32, StreamHealth)> {
+        let reg = lock(&self.registry);
+        reg.workers
+            .get(&worker_id)
+            .map(|v| {
+                v.iter()
+                    .map(|a| (a.spec.dp_rank, StreamHealth(Arc::clone(&a.shared))))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     pub fn stats(&self) -> IngestStats {

@@ -34,4 +34,7 @@ pub use spec::{
     validate_endpoint, validate_kv_endpoint, EndpointError, EndpointProblem, IngestConfig,
     ListenerSpec,
 };
-pub use stats::{Delays, IngestCounters, IngestStats, ListenerState, ListenerStats};
+pub use stats::{
+    stale_by, Delays, IngestCounters, IngestStats, ListenerState, ListenerStats, Stale,
+    StreamHealth, SILENCE,
+};

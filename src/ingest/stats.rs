@@ -259,6 +259,70 @@ impl Shared {
     }
 }
 
+/// Why a KV stream's part of the index may be wrong (issue #17 item 4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stale {
+    /// A gap is being replayed: batches after it wait.
+    Replaying,
+    /// No socket: still connecting, or it cannot open.
+    NotConnected,
+    /// Bookings are active on the rank, yet nothing was applied for
+    /// [`SILENCE`]: an engine serving requests stores blocks as it goes.
+    Silent,
+}
+
+impl Stale {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stale::Replaying => "replaying",
+            Stale::NotConnected => "not-connected",
+            Stale::Silent => "silent",
+        }
+    }
+}
+
+/// A stream with active bookings and no applied batch for this long is
+/// [`Stale::Silent`]. An engine that prefills or decodes publishes a
+/// store for every full block, several a second per request.
+pub const SILENCE: Duration = Duration::from_secs(10);
+
+/// A read handle on one stream's health, for the selector (the catalog
+/// copies one into each rank of its snapshot).
+#[derive(Clone)]
+pub struct StreamHealth(pub(super) std::sync::Arc<Shared>);
+
+impl std::fmt::Debug for StreamHealth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("StreamHealth")
+            .field(&state_of(self.0.state.load(Relaxed)))
+            .finish()
+    }
+}
+
+impl StreamHealth {
+    /// Whether the stream is stale now, given the rank's active bookings.
+    pub fn staleness(&self, now: Instant, active_requests: u64) -> Option<Stale> {
+        stale_by(
+            state_of(self.0.state.load(Relaxed)),
+            self.0
+                .applied_age(now)
+                .unwrap_or_else(|| now.saturating_duration_since(self.0.epoch)),
+            active_requests,
+        )
+    }
+}
+
+/// The rule of [`StreamHealth::staleness`]: `quiet` is the time since the
+/// newest applied batch (or since the stream started, without one).
+pub fn stale_by(state: ListenerState, quiet: Duration, active_requests: u64) -> Option<Stale> {
+    match state {
+        ListenerState::Replaying => Some(Stale::Replaying),
+        ListenerState::Connecting | ListenerState::Failed => Some(Stale::NotConnected),
+        ListenerState::Live if active_requests > 0 && quiet >= SILENCE => Some(Stale::Silent),
+        ListenerState::Live => None,
+    }
+}
+
 /// Delay buckets, seconds: an idle stream applies within microseconds of
 /// receipt; the upper buckets are the backlog issue #17 is about.
 const DELAY_BUCKETS: &[f64] = &[
