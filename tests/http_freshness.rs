@@ -13,13 +13,14 @@
 //! With the gate off, the same probes get answers from the stale index:
 //! the control that shows the test can fail.
 
+mod common;
 #[path = "common/process.rs"]
 mod process;
 
-use kvselect::index::Tier;
-use kvselect::ingest::decode::{Group, KvEvent, Removed, Stored};
+use common::{removed, stored};
+use kvselect::ingest::decode::KvEvent;
 use kvselect::ingest::encode::{encode_batch, EventForm};
-use process::{request, Binary};
+use process::{raise_own_fd_limit, request, Binary};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -51,40 +52,15 @@ fn metric(addr: SocketAddr, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-#[allow(unsafe_code)]
-fn raise_own_fd_limit() -> u64 {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: valid rlimit pointers for the duration of each call.
-    unsafe {
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
-        lim.rlim_cur = lim.rlim_max;
-        libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-    }
-    lim.rlim_cur
-}
-
 fn batch(events: &[KvEvent]) -> Vec<u8> {
     let mut p = Vec::new();
     encode_batch(&mut p, 1.0, events, None, EventForm::Map);
     p
 }
 
-fn store(first_hash: u64, blocks: u64, tokens: Vec<u32>) -> KvEvent {
-    KvEvent::Stored(Stored {
-        block_hashes: (first_hash..first_hash + blocks).collect(),
-        parent_hash: None,
-        token_ids: tokens,
-        eagle: false,
-        block_size: BS,
-        medium: Tier::Device,
-        lora_name: None,
-        cache_salt: None,
-        mm_hashes: None,
-        group: Group::default(),
-    })
+/// `n` engine block hashes from `first`.
+fn hashes(first: u64, n: u64) -> Vec<u64> {
+    (first..first + n).collect()
 }
 
 /// The probe's prompt: tokens no burst batch holds.
@@ -182,16 +158,18 @@ fn burst_and_probe(args: &[&str]) -> Outcome {
         .map(|b| {
             let first = 1 + (b / 2) * BURST_BLOCKS;
             if b % 2 == 0 {
-                let tokens = (0..(BURST_BLOCKS as u32 * BS))
+                let tokens: Vec<u32> = (0..(BURST_BLOCKS as u32 * BS))
                     .map(|t| (t + b as u32) % 100)
                     .collect();
-                batch(&[store(first, BURST_BLOCKS, tokens)])
+                batch(&[stored(
+                    &hashes(first, BURST_BLOCKS),
+                    None,
+                    &tokens,
+                    BS,
+                    "GPU",
+                )])
             } else {
-                batch(&[KvEvent::Removed(Removed {
-                    block_hashes: (first..first + BURST_BLOCKS).collect(),
-                    medium: Tier::Device,
-                    group: Group::default(),
-                })])
+                batch(&[removed(&hashes(first, BURST_BLOCKS), "GPU")])
             }
         })
         .collect();
@@ -217,10 +195,8 @@ fn burst_and_probe(args: &[&str]) -> Outcome {
         let w = (probe as usize * 389) % WORKERS as usize;
         let m = marker_tokens(probe);
         let hash = 10_000_000 + u64::from(probe) * 100;
-        fleet.send(
-            w,
-            &batch(&[store(hash, u64::from(MARKER_BLOCKS), m.clone())]),
-        );
+        let marker = stored(&hashes(hash, u64::from(MARKER_BLOCKS)), None, &m, BS, "GPU");
+        fleet.send(w, &batch(&[marker]));
         std::thread::sleep(Duration::from_millis(80));
         let t = Instant::now();
         let r = post_raw(addr, "/select", &json!({"token_ids": m}));

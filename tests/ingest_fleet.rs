@@ -9,7 +9,7 @@ mod process;
 use kvselect::index::Tier;
 use kvselect::ingest::decode::{Group, KvEvent, Stored};
 use kvselect::ingest::encode::{encode_batch, EventForm};
-use process::{request, Binary};
+use process::{raise_own_fd_limit, request, Binary};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -78,21 +78,6 @@ fn streams(addr: SocketAddr) -> Vec<(String, Option<u64>)> {
             )
         })
         .collect()
-}
-
-#[allow(unsafe_code)]
-fn raise_own_fd_limit() -> u64 {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: valid rlimit pointers for the duration of each call.
-    unsafe {
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
-        lim.rlim_cur = lim.rlim_max;
-        libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-    }
-    lim.rlim_cur
 }
 
 fn store_batch(rank_key: u64) -> Vec<u8> {

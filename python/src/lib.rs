@@ -171,8 +171,10 @@ impl SelectionService {
         replica_sync_host = "127.0.0.1",
         allow_ipc_endpoints = false,
         simd = None,
-        max_index_lag_ms = kvselect::config::DEFAULT_MAX_INDEX_LAG_MS,
-        index_lag_max_wait_ms = kvselect::config::DEFAULT_INDEX_LAG_MAX_WAIT_MS,
+        // Literals, so the text signature shows them: the server's
+        // DEFAULT_MAX_INDEX_LAG_MS and DEFAULT_INDEX_LAG_MAX_WAIT_MS.
+        max_index_lag_ms = 50,
+        index_lag_max_wait_ms = 1000,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(

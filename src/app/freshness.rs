@@ -68,6 +68,18 @@ pub struct Answered {
     pub stale: bool,
 }
 
+/// What a selection does at the gate.
+enum Step {
+    Answer(Answered),
+    /// Wait for the index to come within `bound` of the events that
+    /// reached the process before `arrived`, until `deadline`.
+    Wait {
+        bound: Duration,
+        arrived: Instant,
+        deadline: Instant,
+    },
+}
+
 impl App {
     /// Waits until the index is within the bound, for a selection that
     /// books. `Err(Busy)` (429) when it stays behind past the wait bound.
@@ -75,21 +87,15 @@ impl App {
         &self,
         req: &SelectRequest<'_>,
     ) -> Result<Answered, ServiceError> {
-        let lag = self.catalog.hub().lag();
-        let Some(bound) = self.config.freshness.max_lag else {
-            return Ok(Answered {
-                lag: lag.now(),
-                stale: false,
-            });
-        };
-        match self.look(req, bound) {
-            Some(a) => Ok(a),
-            None => {
-                self.gate.waited.fetch_add(1, Relaxed);
-                let arrived = Instant::now();
-                let deadline = arrived + self.config.freshness.max_wait;
-                let r = lag.wait_within(bound, arrived, deadline).await;
-                self.settle(r, bound)
+        match self.step(req) {
+            Step::Answer(a) => Ok(a),
+            Step::Wait {
+                bound,
+                arrived,
+                deadline,
+            } => {
+                let lag = self.catalog.hub().lag();
+                self.settle(lag.wait_within(bound, arrived, deadline).await, bound)
             }
         }
     }
@@ -99,21 +105,15 @@ impl App {
         &self,
         req: &SelectRequest<'_>,
     ) -> Result<Answered, ServiceError> {
-        let lag = self.catalog.hub().lag();
-        let Some(bound) = self.config.freshness.max_lag else {
-            return Ok(Answered {
-                lag: lag.now(),
-                stale: false,
-            });
-        };
-        match self.look(req, bound) {
-            Some(a) => Ok(a),
-            None => {
-                self.gate.waited.fetch_add(1, Relaxed);
-                let arrived = Instant::now();
-                let deadline = arrived + self.config.freshness.max_wait;
-                let r = lag.wait_within_blocking(bound, arrived, deadline);
-                self.settle(r, bound)
+        match self.step(req) {
+            Step::Answer(a) => Ok(a),
+            Step::Wait {
+                bound,
+                arrived,
+                deadline,
+            } => {
+                let lag = self.catalog.hub().lag();
+                self.settle(lag.wait_within_blocking(bound, arrived, deadline), bound)
             }
         }
     }
@@ -128,6 +128,20 @@ impl App {
                 stale: false,
             }),
             Some(bound) => self.look(req, bound),
+        }
+    }
+
+    fn step(&self, req: &SelectRequest<'_>) -> Step {
+        if let Some(a) = self.fresh_index_now(req) {
+            return Step::Answer(a);
+        }
+        self.gate.waited.fetch_add(1, Relaxed);
+        let arrived = Instant::now();
+        Step::Wait {
+            // `fresh_index_now` answers whenever the gate is off.
+            bound: self.config.freshness.max_lag.unwrap_or_default(),
+            arrived,
+            deadline: arrived + self.config.freshness.max_wait,
         }
     }
 

@@ -128,15 +128,10 @@ impl Lag {
             let notified = self.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let lag = self.now();
-            if lag <= bound || self.applied_before(arrived) {
-                return Ok(lag);
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(lag);
-            }
-            let nap = RECHECK.min(deadline - now);
+            let nap = match self.look(bound, arrived, deadline) {
+                Look::Done(r) => return r,
+                Look::Nap(nap) => nap,
+            };
             tokio::select! {
                 _ = notified => {}
                 _ = tokio::time::sleep(nap) => {}
@@ -153,23 +148,37 @@ impl Lag {
     ) -> Result<Duration, Duration> {
         let _w = Waiter::new(self);
         loop {
+            // Read under the lock a catch-up takes, so none is missed.
             let g = self.generation.lock().unwrap_or_else(|p| p.into_inner());
             let seen = *g;
-            let lag = self.now();
-            if lag <= bound || self.applied_before(arrived) {
-                return Ok(lag);
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(lag);
-            }
-            let nap = RECHECK.min(deadline - now);
+            let nap = match self.look(bound, arrived, deadline) {
+                Look::Done(r) => return r,
+                Look::Nap(nap) => nap,
+            };
             let _ = self
                 .caught_up
                 .wait_timeout_while(g, nap, |gen| *gen == seen)
                 .unwrap_or_else(|p| p.into_inner());
         }
     }
+
+    /// One look for a waiter: done, or how long to nap at most.
+    fn look(&self, bound: Duration, arrived: Instant, deadline: Instant) -> Look {
+        let lag = self.now();
+        if lag <= bound || self.applied_before(arrived) {
+            return Look::Done(Ok(lag));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Look::Done(Err(lag));
+        }
+        Look::Nap(RECHECK.min(deadline - now))
+    }
+}
+
+enum Look {
+    Done(Result<Duration, Duration>),
+    Nap(Duration),
 }
 
 /// A waiter looks again at least this often even without a catch-up (a

@@ -238,3 +238,20 @@ pub fn promtool(text: &str) -> Option<(bool, String)> {
     );
     Some((out.status.success(), msg))
 }
+
+/// Raises this process's soft file-descriptor limit to the hard one and
+/// returns it (fleet tests open thousands of sockets).
+#[allow(unsafe_code)]
+pub fn raise_own_fd_limit() -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: valid rlimit pointers for the duration of each call.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+        lim.rlim_cur = lim.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+    }
+    lim.rlim_cur
+}
