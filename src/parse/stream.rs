@@ -324,6 +324,17 @@ impl BodyStream {
                             self.expect_key = false;
                         }
                         b',' => self.expect_key = true,
+                        b'-' | b'0'..=b'9' => {
+                            // The rest of a number changes no state (hash
+                            // arrays are long runs of them).
+                            i += 1;
+                            while i < n
+                                && matches!(b[i], b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E')
+                            {
+                                i += 1;
+                            }
+                            continue;
+                        }
                         _ => {}
                     }
                     i += 1;
