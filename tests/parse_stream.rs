@@ -262,6 +262,34 @@ fn large_body_in_frames() {
             );
         }
     }
+    // With the hashes of its 6,250 blocks after it: still streamed.
+    let hashes: Vec<String> = (0..6_250i64)
+        .map(|i| (i * -7_919_000_000_123).to_string())
+        .collect();
+    let both = format!(
+        r#"{}, "block_hashes":[{}]}}"#,
+        &b[..b.len() - 1],
+        hashes.join(",")
+    );
+    let cuts: Vec<usize> = (1..=both.len() / 16384).map(|k| k * 16384).collect();
+    let p = Parser::default();
+    assert_eq!(
+        stream_differential_with(&p, BodyKind::Select, both.as_bytes(), &cuts),
+        1
+    );
+    // Only 100k hashes: the front gives the body to the whole-body parser.
+    let hashes: Vec<String> = (0..100_000i64)
+        .map(|i| (i * -7_919_000_000_123).to_string())
+        .collect();
+    let only = format!(
+        r#"{{"model_name":"m","block_hashes":[{}]}}"#,
+        hashes.join(",")
+    );
+    let cuts: Vec<usize> = (1..=only.len() / 16384).map(|k| k * 16384).collect();
+    assert_eq!(
+        stream_differential_with(&p, BodyKind::Select, only.as_bytes(), &cuts),
+        0
+    );
     // One token over the limit: the whole-body 413, with its offset.
     let p = Parser::default();
     let tight = Parser {

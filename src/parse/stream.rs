@@ -31,7 +31,11 @@
 //! single-frame body is parsed in place). Errors therefore come from the
 //! contiguous parser, with its classes, texts, byte offsets and field paths;
 //! the skeleton never reports one. A body without token arrays is parsed
-//! from its skeleton, which then equals the body.
+//! from its skeleton, which then equals the body. A body whose skeleton
+//! outgrows 64 KiB plus the token bytes taken out of it (a long
+//! `block_hashes` list without tokens, say) also goes to the contiguous
+//! parser: the front stops scanning it, since its byte-at-a-time scan of
+//! non-token bytes costs more than one copy.
 //!
 //! Why this is the same answer: the skeleton equals the body except that
 //! each recorded array's contents are gone. The visitor is deterministic on
@@ -52,6 +56,11 @@ use super::*;
 use crate::pool::Pooled;
 use bytes::Bytes;
 use std::cell::{Cell, OnceCell};
+
+/// Skeleton bytes the front keeps before it compares them with the token
+/// bytes it took out: once the skeleton is larger than this plus those, the
+/// body goes to the whole-body parser (scanning costs more than it saves).
+const SKELETON_FREE: usize = 64 * 1024;
 
 /// Token arrays one body may have streamed (a prompt has at most two; a
 /// further one stays in the skeleton and is parsed there).
@@ -197,6 +206,12 @@ impl BodyStream {
         self.len += frame.len();
         if !matches!(self.mode, Mode::Fallback) {
             self.scan(&frame);
+            // A body that is mostly not token arrays (a long hash list) is
+            // cheaper copied once and parsed whole than scanned here.
+            let kept = self.skeleton.len();
+            if kept > SKELETON_FREE + (self.len - kept) {
+                self.fall_back();
+            }
         }
         if !frame.is_empty() {
             self.frames.push(frame);
