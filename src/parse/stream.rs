@@ -209,7 +209,7 @@ impl BodyStream {
             // A body that is mostly not token arrays (a long hash list) is
             // cheaper copied once and parsed whole than scanned here.
             let kept = self.skeleton.len();
-            if kept > SKELETON_FREE + (self.len - kept) {
+            if kept > SKELETON_FREE + self.len.saturating_sub(kept) {
                 self.fall_back();
             }
         }
