@@ -121,7 +121,7 @@ impl Metrics {
                 &r,
                 hist(
                     "kvselect_parse_duration_seconds",
-                    "Time parsing request bodies, by body kind (failed parses included).",
+                    "Time parsing request bodies once received, by body kind (failed parses included); prompt bodies convert their token arrays while they arrive, before this time.",
                     PARSE_BUCKETS,
                     &["body"],
                 ),

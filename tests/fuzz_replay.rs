@@ -7,7 +7,7 @@
 //! has a non-empty corpus, so a new fuzz target cannot go unreplayed.
 
 use kvselect::ingest::decode::{decode_batch, decode_message, decode_replay_reply};
-use kvselect::parse::oracle::{differential_select, fuzz_body, BodyKind};
+use kvselect::parse::oracle::{differential_select, fuzz_body, fuzz_stream, BodyKind};
 use kvselect::parse::NumberPath;
 use std::path::{Path, PathBuf};
 
@@ -35,6 +35,7 @@ const TARGETS: &[Target] = &[
         fuzz_body(BodyKind::PeerEndpoint, data)
     }),
     ("select_differential", differential_select),
+    ("stream_split", fuzz_stream),
     // Its seeds' stricter checks (valid payloads must decode) are in
     // tests/ingest_fuzz_replay.rs.
     ("kv_event_decode", |data| {

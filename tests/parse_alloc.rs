@@ -86,3 +86,33 @@ fn counter_sees_allocations() {
     drop(p.select(&b, SelectKind::Select).unwrap());
     assert!(allocs() > before);
 }
+
+#[test]
+fn steady_state_streamed_parse_allocates_nothing() {
+    // Frames borrowed from a leaked body: feeding them allocates nothing
+    // on the test's side.
+    let b: &'static [u8] = Box::leak(body().into_boxed_slice());
+    for (path, name) in NumberPath::available() {
+        let p = Parser::default().with_number_path(path);
+        let parse = || {
+            let mut s = p.stream();
+            for f in b.chunks(16 * 1024) {
+                s.feed(bytes::Bytes::from_static(f));
+            }
+            let r = p.select_stream(&s, SelectKind::SelectAndReserve).unwrap();
+            assert_eq!(s.streamed_arrays(), 1, "{name}: fell back");
+            assert_eq!(r.prompt.token_ids.as_ref().unwrap().len(), 100_000);
+            assert_eq!(r.prompt.token_ids.as_ref().unwrap()[1], 7919);
+            assert_eq!(r.prompt.block_hashes.as_ref().unwrap().len(), 3);
+        };
+        for _ in 0..3 {
+            parse();
+        }
+        let before = allocs();
+        for _ in 0..20 {
+            parse();
+        }
+        let n = allocs() - before;
+        assert_eq!(n, 0, "{name}: {n} allocations in 20 warm streamed parses");
+    }
+}

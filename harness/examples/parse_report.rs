@@ -7,6 +7,14 @@
 //! last line. `PARSE_REPORT_PROFILE=<path>` loops one path instead (for
 //! `perf record`).
 //!
+//! Before those last lines, the streamed path (`src/parse/stream.rs`) on the
+//! same body cut into 16 KiB and 64 KiB frames, per loop: `whole` copies the
+//! frames into one pooled buffer and parses it (what the HTTP layer did),
+//! `streamed` feeds the frames to a `BodyStream` and parses its skeleton;
+//! `stream_<path>_<frame>_whole_vs_streamed=<whole time / streamed time>`;
+//! and the same for a 2 MB body of 100k `block_hashes` and no tokens
+//! (`stream_hashes_16k_*`), which the front hands to the whole-body parser.
+//!
 //! `cargo run --release --example parse_report`
 
 // Reads the thread CPU clock through `libc::clock_gettime`.
@@ -199,6 +207,95 @@ fn main() {
             serde_typed / ns
         );
     }
+    // The streamed path against copy + parse, over the same frames.
+    let leaked: &'static [u8] = Box::leak(b.clone().into_boxed_slice());
+    let body_pool: Pool<u8> = Pool::new(4, 1 << 21);
+    for (p, name) in &paths {
+        for (frame, label) in [(16 * 1024, "16k"), (64 * 1024, "64k")] {
+            let whole = median_ns(
+                |b| {
+                    let mut buf = body_pool.take();
+                    for f in b.chunks(frame) {
+                        buf.extend_from_slice(f);
+                    }
+                    ours(p, &buf)
+                },
+                leaked,
+            );
+            let streamed = median_ns(
+                |_| {
+                    let mut s = p.stream();
+                    for f in leaked.chunks(frame) {
+                        s.feed(bytes::Bytes::from_static(f));
+                    }
+                    assert_eq!(s.streamed_arrays(), 1);
+                    let r = p.select_stream(&s, SelectKind::Select).unwrap();
+                    r.prompt.token_ids.as_ref().map_or(0, |t| t.len())
+                },
+                leaked,
+            );
+            println!(
+                "{:>20} simd={name:<6} frames={label}: whole (copy+parse) {:>8.1} us, streamed {:>8.1} us",
+                format!("stream_{name}_{label}"),
+                whole / 1000.0,
+                streamed / 1000.0
+            );
+            println!(
+                "stream_{name}_{label}_whole_vs_streamed={:.2}",
+                whole / streamed
+            );
+        }
+    }
+    // A body the front has no token array to take from: 100k block hashes
+    // (scanned and kept in the skeleton, then parsed there).
+    let hashes: &'static [u8] = {
+        let mut rng = SmallRng::seed_from_u64(7);
+        let mut s = String::from(r#"{"model_name":"qwen","block_hashes":["#);
+        for i in 0..TOKENS {
+            if i > 0 {
+                s.push(',');
+            }
+            s.push_str(&rng.random::<i64>().to_string());
+        }
+        s.push_str("]}");
+        Box::leak(s.into_bytes().into_boxed_slice())
+    };
+    let p = &paths[0].0;
+    let hash_count = |r: kvselect::parse::SelectRequest<'_>| {
+        r.prompt.block_hashes.as_ref().map_or(0, |h| h.len())
+    };
+    let whole = median_ns(
+        |b| {
+            let mut buf = body_pool.take();
+            for f in b.chunks(16 * 1024) {
+                buf.extend_from_slice(f);
+            }
+            hash_count(p.select(&buf, SelectKind::Select).unwrap())
+        },
+        hashes,
+    );
+    let streamed = median_ns(
+        |_| {
+            let mut s = p.stream();
+            for f in hashes.chunks(16 * 1024) {
+                s.feed(bytes::Bytes::from_static(f));
+            }
+            hash_count(p.select_stream(&s, SelectKind::Select).unwrap())
+        },
+        hashes,
+    );
+    println!(
+        "{:>20} simd={:<6} frames=16k: whole (copy+parse) {:>8.1} us, streamed {:>8.1} us ({} bytes)",
+        "stream_hashes_16k",
+        paths[0].1,
+        whole / 1000.0,
+        streamed / 1000.0,
+        hashes.len()
+    );
+    println!(
+        "stream_hashes_16k_whole_vs_streamed={:.2}",
+        whole / streamed
+    );
     let time_of = |path: &str| rows.iter().find(|r| r.1 == path).map(|r| r.2);
     if let (Some(avx2), Some(avx512)) = (time_of("avx2"), time_of("avx512")) {
         println!("avx512_vs_avx2_100k={:.2}", avx2 / avx512);

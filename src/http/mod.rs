@@ -7,7 +7,10 @@
 //! `--auth-token-file` is set; /health is exempt) -> route (404/405) ->
 //! Content-Type (415, before any body byte is read) -> body limit (413,
 //! enforced while streaming; a declared Content-Length over the limit fails
-//! at once) -> body timeout (408) -> parse (400/422) -> handler.
+//! at once) -> body timeout (408) -> parse (400/422) -> handler. Prompt
+//! bodies (/select, /select_and_reserve, /reservations, /potential_loads,
+//! /overlap_scores) are fed to the parser frame by frame as they arrive
+//! (`parse/stream.rs`); the other bodies are collected first.
 //!
 //! Memory: a body buffer grows with the bytes that have arrived, never with
 //! the declared Content-Length, and buffers kept for reuse are capped at
@@ -28,7 +31,7 @@ use crate::app::{App, Selection, ServiceError};
 use crate::auth::{Auth, Verdict as AuthVerdict};
 use crate::ingest::Stale;
 use crate::metrics::{Metrics, Timeout};
-use crate::parse::{ParseError, SelectKind};
+use crate::parse::{BodyStream, ParseError, SelectKind};
 use crate::pool::{Pool, Pooled};
 use bytes::Bytes;
 use error::{error_body, HttpError};
@@ -422,25 +425,25 @@ impl Server {
             ["workers", id] if method == Method::DELETE => ok(&app.delete_worker(parse_u64(id)?)?),
             ["workers", _] => not_allowed("PATCH,DELETE"),
             ["select"] if post => {
-                let body = self.body(req).await?;
+                let body = self.body_stream(req).await?;
                 let kind = SelectKind::Select;
-                let req = self.parse("select", || app.parser.select(&body, kind))?;
+                let req = self.parse("select", || app.parser.select_stream(&body, kind))?;
                 let sel = app.select_queued(&req, kind).await?;
                 selection_reply(&sel)
             }
             ["select"] => not_allowed("POST"),
             ["select_and_reserve"] if post => {
-                let body = self.body(req).await?;
+                let body = self.body_stream(req).await?;
                 let kind = SelectKind::SelectAndReserve;
-                let req = self.parse("select", || app.parser.select(&body, kind))?;
+                let req = self.parse("select", || app.parser.select_stream(&body, kind))?;
                 let sel = app.select_queued(&req, kind).await?;
                 selection_reply(&sel)
             }
             ["select_and_reserve"] => not_allowed("POST"),
             ["reservations"] if post => {
-                let body = self.body(req).await?;
+                let body = self.body_stream(req).await?;
                 created(&app.create_reservation(
-                    &self.parse("reservation", || app.parser.reservation(&body))?,
+                    &self.parse("reservation", || app.parser.reservation_stream(&body))?,
                 )?)
             }
             ["reservations"] => not_allowed("POST"),
@@ -475,17 +478,17 @@ impl Server {
             }
             ["loads"] => not_allowed(GET_HEAD),
             ["potential_loads"] if post => {
-                let body = self.body(req).await?;
+                let body = self.body_stream(req).await?;
                 ok(&app.potential_loads(
-                    &self.parse("prompt_query", || app.parser.prompt_query(&body))?,
+                    &self.parse("prompt_query", || app.parser.prompt_query_stream(&body))?,
                 )?)
             }
             ["potential_loads"] => not_allowed("POST"),
             ["overlap_scores"] if post => {
-                let body = self.body(req).await?;
-                ok(&app.overlap_scores(
-                    &self.parse("prompt_query", || app.parser.overlap_scores_query(&body))?,
-                )?)
+                let body = self.body_stream(req).await?;
+                ok(&app.overlap_scores(&self.parse("prompt_query", || {
+                    app.parser.overlap_scores_query_stream(&body)
+                })?)?)
             }
             ["overlap_scores"] => not_allowed("POST"),
             ["dump"] if get => Ok(Reply::from((StatusCode::OK, app.dump().into_bytes()))),
@@ -521,8 +524,8 @@ impl Server {
         }
     }
 
-    /// Checks Content-Type, then reads the body within the limit.
-    async fn body(&self, req: Request<Incoming>) -> Result<Pooled<u8>, HttpError> {
+    /// Checks Content-Type and a declared Content-Length against the limit.
+    fn body_head(&self, req: &Request<Incoming>) -> Result<usize, HttpError> {
         if !is_json(req.headers().get(CONTENT_TYPE)) {
             return Err(HttpError::UnsupportedMediaType);
         }
@@ -535,6 +538,42 @@ impl Server {
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(HttpError::PayloadTooLarge);
         }
+        Ok(limit)
+    }
+
+    /// A prompt body, fed to the parser's streamed front frame by frame as
+    /// it arrives (`parse/stream.rs`): token arrays are converted while each
+    /// frame is in cache and the body is not copied whole. Same checks,
+    /// limit and timeout as [`Server::body`].
+    async fn body_stream(&self, req: Request<Incoming>) -> Result<BodyStream, HttpError> {
+        let limit = self.body_head(&req)?;
+        let mut stream = self.app.parser.stream();
+        let mut body = req.into_body();
+        let read = async {
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| HttpError::BodyRead(e.to_string()))?;
+                if let Ok(data) = frame.into_data() {
+                    if stream.len() + data.len() > limit {
+                        return Err(HttpError::PayloadTooLarge);
+                    }
+                    stream.feed(data);
+                }
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(self.limits.body_read_timeout, read).await {
+            Ok(r) => r?,
+            Err(_) => {
+                self.metrics.timeout(Timeout::Body);
+                return Err(HttpError::BodyTimeout);
+            }
+        }
+        Ok(stream)
+    }
+
+    /// Checks Content-Type, then reads the body within the limit.
+    async fn body(&self, req: Request<Incoming>) -> Result<Pooled<u8>, HttpError> {
+        let limit = self.body_head(&req)?;
         // Grows with what arrives (Vec doubling), never with `declared`.
         let mut buf = self.bodies.take();
         let mut body = req.into_body();

@@ -52,6 +52,9 @@ pub(crate) struct Cur<'a> {
     pub i: usize,
     depth: usize,
     max_depth: usize,
+    /// Token arrays a streamed body's front already converted, by the
+    /// offset of the `[]` that stands for each in `b` (`stream.rs`).
+    pub side: Option<&'a super::stream::Side>,
 }
 
 impl<'a> Cur<'a> {
@@ -61,6 +64,7 @@ impl<'a> Cur<'a> {
             i: 0,
             depth: 0,
             max_depth,
+            side: None,
         }
     }
 

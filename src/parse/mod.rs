@@ -3,7 +3,9 @@
 //!
 //! Owns: the byte cursor (`cursor`) and its internal error (`failure`), one hand-written visitor per body of the
 //! API (`bodies`), the number-array loops (`numbers`, scalar) and their AVX2
-//! and AVX-512 runs (`simd`, the only `unsafe`), and the 400/422/413 classification.
+//! and AVX-512 runs (`simd`, the only `unsafe`), the streamed front that
+//! converts token arrays frame by frame as a body arrives (`stream`), and the
+//! 400/422/413 classification.
 //! Does not: know HTTP (the HTTP layer adds the axum-style message prefixes and
 //! picks the status from [`ErrorClass`]).
 //!
@@ -22,11 +24,13 @@ mod numbers;
 pub mod oracle;
 pub mod request;
 mod simd;
+mod stream;
 
 use simd::Vector;
 pub use simd::{avx2_available, avx512_available};
 
 pub use request::*;
+pub use stream::{BodyStream, StreamPools};
 
 use crate::pool::Pool;
 use std::fmt;
@@ -210,6 +214,8 @@ pub struct Parser {
     pub hashes: Pool<u64>,
     /// Token-array loop; [`NumberPath::Auto`] unless a bench or test pins it.
     pub number_path: NumberPath,
+    /// Skeleton and frame-list buffers of streamed bodies (`stream.rs`).
+    pub stream_pools: StreamPools,
 }
 
 impl Parser {
@@ -219,6 +225,7 @@ impl Parser {
             tokens,
             hashes,
             number_path: NumberPath::Auto,
+            stream_pools: StreamPools::default(),
         }
     }
 

@@ -28,7 +28,7 @@ fn too_large(offset: usize, max: usize) -> Box<super::failure::Fail> {
 /// followed by `.`/`e`/`E`/digit, and not above `u32::MAX`. `None` means
 /// "not the common case"; `*i` is then unspecified.
 #[inline(always)]
-fn scalar_u32(b: &[u8], i: &mut usize) -> Option<u32> {
+pub(super) fn scalar_u32(b: &[u8], i: &mut usize) -> Option<u32> {
     // Up to 7 digits (every realistic token id): find the run length and
     // convert it with one 8-byte word (SWAR, no per-digit loop).
     let q = *i;
@@ -110,6 +110,14 @@ pub(crate) fn u32_array(
     vector: Option<Vector>,
 ) -> PResult<()> {
     if cur.array_start()? {
+        // A streamed body's `[]` may stand for an array its front converted.
+        if let Some(mut done) = cur.side.and_then(|s| s.take(cur.i - 2)) {
+            if out.is_empty() {
+                std::mem::swap(out, &mut *done);
+            } else {
+                out.extend_from_slice(&done);
+            }
+        }
         return Ok(());
     }
     let b = cur.b;

@@ -414,3 +414,118 @@ pub fn differential_select_with(parser: &Parser, body: &[u8]) {
     assert_eq!(s(&p.cache_salt), wp.cache_salt.as_deref());
     assert_eq!(p.is_eagle, wp.is_eagle);
 }
+
+// ---- the streamed path against the whole-body parser -------------------
+
+/// The body kinds the HTTP layer streams (those with a prompt).
+pub const STREAMED_KINDS: [BodyKind; 4] = [
+    BodyKind::Select,
+    BodyKind::SelectAndReserve,
+    BodyKind::Reservation,
+    BodyKind::PromptQuery,
+];
+
+/// Parses a streamed body as `kind` (a kind the HTTP layer streams; others
+/// read the stream's contiguous body), rendered like [`parse_debug`].
+pub fn parse_debug_stream(
+    p: &Parser,
+    kind: BodyKind,
+    s: &BodyStream,
+) -> Result<String, ParseError> {
+    match kind {
+        BodyKind::Select => p
+            .select_stream(s, SelectKind::Select)
+            .map(|r| format!("{r:?}")),
+        BodyKind::SelectAndReserve => p
+            .select_stream(s, SelectKind::SelectAndReserve)
+            .map(|r| format!("{r:?}")),
+        BodyKind::Reservation => p.reservation_stream(s).map(|r| format!("{r:?}")),
+        BodyKind::PromptQuery => p.prompt_query_stream(s).map(|r| format!("{r:?}")),
+        other => parse_debug(p, other, s.contiguous()),
+    }
+}
+
+/// `body` fed to a fresh stream of `p` in frames that end at `cuts`
+/// (ascending offsets; out-of-range ones are ignored).
+pub fn stream_of(p: &Parser, body: &[u8], cuts: &[usize]) -> BodyStream {
+    let mut s = p.stream();
+    let mut at = 0;
+    for &c in cuts {
+        if c > at && c < body.len() {
+            s.feed(bytes::Bytes::copy_from_slice(&body[at..c]));
+            at = c;
+        }
+    }
+    s.feed(bytes::Bytes::copy_from_slice(&body[at..]));
+    s
+}
+
+/// The streamed parse of `body` cut at `cuts` equals the whole-body parse
+/// (same class, values, error text, offset and path), on every token loop
+/// this CPU has; returns how many token arrays the stream converted on the
+/// last loop (0 when it fell back).
+pub fn stream_differential(kind: BodyKind, body: &[u8], cuts: &[usize]) -> usize {
+    let limits = ParseLimits {
+        max_depth: DEFAULT_MAX_DEPTH,
+        max_tokens: 1 << 16,
+    };
+    let base = Parser::new(limits, Pool::new(4, 1 << 16), Pool::new(4, 1 << 16));
+    stream_differential_with(&base, kind, body, cuts)
+}
+
+/// [`stream_differential`] with the limits and pools of `base`.
+pub fn stream_differential_with(
+    base: &Parser,
+    kind: BodyKind,
+    body: &[u8],
+    cuts: &[usize],
+) -> usize {
+    let mut converted = 0;
+    for (path, name) in NumberPath::available() {
+        let p = base.clone().with_number_path(path);
+        let whole = parse_debug(&p, kind, body);
+        let s = stream_of(&p, body, cuts);
+        converted = s.streamed_arrays();
+        let streamed = parse_debug_stream(&p, kind, &s);
+        assert_eq!(
+            whole,
+            streamed,
+            "{kind:?} on {name}: whole-body and streamed (cuts {cuts:?}) differ on {:?}",
+            String::from_utf8_lossy(body)
+        );
+    }
+    converted
+}
+
+/// Fuzz-target body for the streamed path: the first byte picks the frame
+/// sizes (up to 1, 2, 3, 7, 16, 64, 200 or 1000 bytes, varied by a PRNG it
+/// seeds), the rest is the body, checked by [`stream_differential`] for
+/// every streamed kind.
+pub fn fuzz_stream(data: &[u8]) {
+    let Some((&seed, body)) = data.split_first() else {
+        return;
+    };
+    let cuts = random_cuts(seed, body.len());
+    for kind in STREAMED_KINDS {
+        stream_differential(kind, body, &cuts);
+    }
+}
+
+/// Frame ends for a body of `len` bytes, from `seed` (see [`fuzz_stream`]).
+pub fn random_cuts(seed: u8, len: usize) -> Vec<usize> {
+    const MAX: [usize; 8] = [1, 2, 3, 7, 16, 64, 200, 1000];
+    let max = MAX[(seed & 7) as usize];
+    let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ (seed as u64) ^ ((len as u64) << 8);
+    let mut cuts = Vec::new();
+    let mut at = 0;
+    loop {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        at += 1 + (x % max as u64) as usize;
+        if at >= len {
+            return cuts;
+        }
+        cuts.push(at);
+    }
+}

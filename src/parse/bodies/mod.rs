@@ -329,7 +329,19 @@ impl Parser {
         body: &'a [u8],
         f: impl FnOnce(&mut Cur<'a>) -> PResult<T>,
     ) -> Result<T, ParseError> {
+        self.run_in(body, None, f)
+    }
+
+    /// [`Parser::run`] with the token arrays a streamed body's front
+    /// converted (`stream.rs`).
+    fn run_in<'a, T>(
+        &self,
+        body: &'a [u8],
+        side: Option<&'a stream::Side>,
+        f: impl FnOnce(&mut Cur<'a>) -> PResult<T>,
+    ) -> Result<T, ParseError> {
         let mut cur = Cur::new(body, self.limits.max_depth);
+        cur.side = side;
         let res = f(&mut cur).and_then(|v| match cur.ws() {
             None => Ok(v),
             Some(_) => Err(cur.syntax_here("trailing characters")),
@@ -363,11 +375,20 @@ impl Parser {
         body: &'a [u8],
         kind: SelectKind,
     ) -> Result<SelectRequest<'a>, ParseError> {
+        self.select_in(body, None, kind)
+    }
+
+    pub(super) fn select_in<'a>(
+        &self,
+        body: &'a [u8],
+        side: Option<&'a stream::Side>,
+        kind: SelectKind,
+    ) -> Result<SelectRequest<'a>, ParseError> {
         let name = match kind {
             SelectKind::Select => "SelectRequest",
             SelectKind::SelectAndReserve => "SelectAndReserveRequest",
         };
-        self.run(body, |cur| {
+        self.run_in(body, side, |cur| {
             top_object(cur, name)?;
             let mut r = SelectRequest::default();
             let mut set = 0u64;
@@ -458,7 +479,15 @@ impl Parser {
 
     /// POST /reservations, both forms (§4.10).
     pub fn reservation<'a>(&self, body: &'a [u8]) -> Result<ReservationRequest<'a>, ParseError> {
-        self.run(body, |cur| {
+        self.reservation_in(body, None)
+    }
+
+    pub(super) fn reservation_in<'a>(
+        &self,
+        body: &'a [u8],
+        side: Option<&'a stream::Side>,
+    ) -> Result<ReservationRequest<'a>, ParseError> {
+        self.run_in(body, side, |cur| {
             top_object(cur, "ReservationRequest")?;
             let mut r = ReservationRequest::default();
             let mut sid = None;
@@ -540,7 +569,7 @@ impl Parser {
 
     /// POST /potential_loads (§4.13).
     pub fn prompt_query<'a>(&self, body: &'a [u8]) -> Result<PromptQueryRequest<'a>, ParseError> {
-        self.prompt_query_as(body, "PotentialLoadsRequest")
+        self.prompt_query_in(body, None, "PotentialLoadsRequest")
     }
 
     /// POST /overlap_scores (§4.14): the /potential_loads body under the
@@ -549,15 +578,16 @@ impl Parser {
         &self,
         body: &'a [u8],
     ) -> Result<PromptQueryRequest<'a>, ParseError> {
-        self.prompt_query_as(body, "OverlapScoresRequest")
+        self.prompt_query_in(body, None, "OverlapScoresRequest")
     }
 
-    fn prompt_query_as<'a>(
+    pub(super) fn prompt_query_in<'a>(
         &self,
         body: &'a [u8],
+        side: Option<&'a stream::Side>,
         name: &str,
     ) -> Result<PromptQueryRequest<'a>, ParseError> {
-        self.run(body, |cur| {
+        self.run_in(body, side, |cur| {
             top_object(cur, name)?;
             let mut r = PromptQueryRequest::default();
             let mut set = 0u64;
