@@ -6,6 +6,10 @@ use kvselect::parse::oracle::{differential_select, parse_debug, BodyKind};
 use kvselect::parse::{NumberPath, Parser};
 use proptest::prelude::*;
 
+#[path = "common/token_soup.rs"]
+mod soup;
+use soup::{element, separator};
+
 /// The scalar loop and the vector loops it is compared with: only those
 /// this CPU has (named, and printed once per run).
 fn parsers() -> (Parser, Vec<(Parser, &'static str)>) {
@@ -45,46 +49,6 @@ fn check(body: &[u8]) {
         }
     }
     differential_select(body);
-}
-
-/// One array element: mostly valid ids of every length, sometimes a value
-/// the fast paths must refuse.
-fn element() -> impl Strategy<Value = String> {
-    prop_oneof![
-        8 => (0u32..151_936).prop_map(|v| v.to_string()),
-        3 => any::<u32>().prop_map(|v| v.to_string()),
-        1 => (0u32..10).prop_map(|v| v.to_string()),
-        1 => Just(u32::MAX.to_string()),
-        1 => Just("4294967296".to_string()),
-        1 => Just("99999999999".to_string()),
-        1 => Just("18446744073709551616".to_string()),
-        1 => (1u32..1000).prop_map(|v| format!("0{v}")),
-        1 => (0u32..1000).prop_map(|v| format!("-{v}")),
-        1 => Just("-0".to_string()),
-        1 => (0u32..100).prop_map(|v| format!("{v}.5")),
-        1 => (0u32..100).prop_map(|v| format!("{v}e2")),
-        1 => (0u32..100).prop_map(|v| format!("{v}E-1")),
-        1 => Just("1.".to_string()),
-        1 => Just("true".to_string()),
-        1 => Just("null".to_string()),
-        1 => Just("\"7\"".to_string()),
-        1 => Just("[1]".to_string()),
-        1 => Just("".to_string()),
-        1 => Just("NaN".to_string()),
-    ]
-}
-
-fn separator() -> impl Strategy<Value = String> {
-    prop_oneof![
-        10 => Just(",".to_string()),
-        6 => Just(", ".to_string()),
-        1 => Just(" ,".to_string()),
-        1 => Just(",\n  ".to_string()),
-        1 => Just(",\t".to_string()),
-        1 => Just(",  ".to_string()),
-        1 => Just(",,".to_string()),
-        1 => Just(" ".to_string()),
-    ]
 }
 
 /// A /select-like body whose token array mixes the elements above.

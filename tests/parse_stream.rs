@@ -13,6 +13,10 @@ use kvselect::parse::oracle::{
 use kvselect::parse::{NumberPath, ParseLimits, Parser};
 use proptest::prelude::*;
 
+#[path = "common/token_soup.rs"]
+mod soup;
+use soup::{element, separator};
+
 /// Every streamed kind at `cuts`, then serde_json on the whole body; the
 /// number of token arrays the select stream converted.
 fn check(body: &[u8], cuts: &[usize]) -> usize {
@@ -40,37 +44,6 @@ fn cuts(len: usize, picks: &[prop::sample::Index]) -> Vec<usize> {
     c.sort_unstable();
     c.dedup();
     c
-}
-
-fn element() -> impl Strategy<Value = String> {
-    prop_oneof![
-        12 => (0u32..151_936).prop_map(|v| v.to_string()),
-        3 => any::<u32>().prop_map(|v| v.to_string()),
-        1 => (0u32..10).prop_map(|v| v.to_string()),
-        1 => Just(u32::MAX.to_string()),
-        1 => Just("4294967296".to_string()),
-        1 => Just("99999999999".to_string()),
-        1 => (1u32..1000).prop_map(|v| format!("0{v}")),
-        1 => (0u32..1000).prop_map(|v| format!("-{v}")),
-        1 => (0u32..100).prop_map(|v| format!("{v}.5")),
-        1 => (0u32..100).prop_map(|v| format!("{v}e2")),
-        1 => Just("true".to_string()),
-        1 => Just("null".to_string()),
-        1 => Just("\"7\"".to_string()),
-        1 => Just("".to_string()),
-    ]
-}
-
-fn separator() -> impl Strategy<Value = String> {
-    prop_oneof![
-        10 => Just(",".to_string()),
-        6 => Just(", ".to_string()),
-        1 => Just(" ,".to_string()),
-        1 => Just(",\n  ".to_string()),
-        1 => Just(",\t".to_string()),
-        1 => Just(",,".to_string()),
-        1 => Just(" ".to_string()),
-    ]
 }
 
 fn array(elems: &[(String, String)]) -> String {

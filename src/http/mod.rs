@@ -548,26 +548,8 @@ impl Server {
     async fn body_stream(&self, req: Request<Incoming>) -> Result<BodyStream, HttpError> {
         let limit = self.body_head(&req)?;
         let mut stream = self.app.parser.stream();
-        let mut body = req.into_body();
-        let read = async {
-            while let Some(frame) = body.frame().await {
-                let frame = frame.map_err(|e| HttpError::BodyRead(e.to_string()))?;
-                if let Ok(data) = frame.into_data() {
-                    if stream.len() + data.len() > limit {
-                        return Err(HttpError::PayloadTooLarge);
-                    }
-                    stream.feed(data);
-                }
-            }
-            Ok(())
-        };
-        match tokio::time::timeout(self.limits.body_read_timeout, read).await {
-            Ok(r) => r?,
-            Err(_) => {
-                self.metrics.timeout(Timeout::Body);
-                return Err(HttpError::BodyTimeout);
-            }
-        }
+        self.read_frames(req.into_body(), limit, |data| stream.feed(data))
+            .await?;
         Ok(stream)
     }
 
@@ -576,27 +558,40 @@ impl Server {
         let limit = self.body_head(&req)?;
         // Grows with what arrives (Vec doubling), never with `declared`.
         let mut buf = self.bodies.take();
-        let mut body = req.into_body();
+        self.read_frames(req.into_body(), limit, |data| buf.extend_from_slice(&data))
+            .await?;
+        Ok(buf)
+    }
+
+    /// Hands each data frame of `body` to `sink` as it arrives: 413 past
+    /// `limit` bytes, 408 past `--body-read-timeout-secs`.
+    async fn read_frames(
+        &self,
+        mut body: Incoming,
+        limit: usize,
+        mut sink: impl FnMut(Bytes),
+    ) -> Result<(), HttpError> {
         let read = async {
+            let mut len = 0usize;
             while let Some(frame) = body.frame().await {
                 let frame = frame.map_err(|e| HttpError::BodyRead(e.to_string()))?;
                 if let Ok(data) = frame.into_data() {
-                    if buf.len() + data.len() > limit {
+                    len += data.len();
+                    if len > limit {
                         return Err(HttpError::PayloadTooLarge);
                     }
-                    buf.extend_from_slice(&data);
+                    sink(data);
                 }
             }
             Ok(())
         };
         match tokio::time::timeout(self.limits.body_read_timeout, read).await {
-            Ok(r) => r?,
+            Ok(r) => r,
             Err(_) => {
                 self.metrics.timeout(Timeout::Body);
-                return Err(HttpError::BodyTimeout);
+                Err(HttpError::BodyTimeout)
             }
         }
-        Ok(buf)
     }
 }
 
