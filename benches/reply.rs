@@ -1,7 +1,10 @@
 //! The largest field of a /select_and_reserve reply: 6,250 `sequence_hashes`
-//! (a 100k-token prompt at block size 16) as JSON i64s. serde_json's
-//! `collect_seq` (what the reply used before) against `json_out::push_i64_array`,
-//! in the same run, into a buffer sized like the reply's.
+//! (a 100k-token prompt at block size 16) as JSON i64s, in the same run and
+//! each into a buffer sized like the reply's (`json_out::i64_array_capacity`):
+//! serde_json's `collect_seq` (what the reply used before); an `itoa` +
+//! `extend_from_slice` loop (the baseline for a scalar writer);
+//! `json_out`'s portable path (what CPUs without AVX-512 run); and, where the
+//! CPU has the AVX-512 parts, `json_out::push_i64_array` (its vector path).
 //!
 //! Run: `cargo bench --bench reply`
 
@@ -34,6 +37,26 @@ fn hashes() -> Vec<u64> {
         .collect()
 }
 
+/// A scalar writer's baseline: `itoa` per value, appended with
+/// `extend_from_slice`, into reserved capacity.
+fn itoa_loop(out: &mut Vec<u8>, values: &[u64]) {
+    out.reserve(values.len() * 21 + 2);
+    out.push(b'[');
+    let mut buf = itoa::Buffer::new();
+    for (k, &v) in values.iter().enumerate() {
+        if k > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(buf.format(v as i64).as_bytes());
+    }
+    out.push(b']');
+}
+
+/// Whether `push_i64_array` takes its AVX-512 path here.
+fn avx512() -> bool {
+    kvselect::parse::avx512_available()
+}
+
 fn bench(c: &mut Criterion) {
     let h = hashes();
     let mut a = Vec::new();
@@ -42,6 +65,14 @@ fn bench(c: &mut Criterion) {
     kvselect::json_out::push_i64_array(&mut b, &h);
     assert_eq!(a, b, "the writers disagree");
 
+    let mut p = Vec::new();
+    kvselect::json_out::push_i64_array_portable(&mut p, &h);
+    assert_eq!(a, p, "the portable writer disagrees");
+    let mut t = Vec::new();
+    itoa_loop(&mut t, &h);
+    assert_eq!(a, t, "the itoa loop disagrees");
+
+    let capacity = kvselect::json_out::i64_array_capacity(BLOCKS);
     let mut g = c.benchmark_group("sequence_hashes_6250");
     g.throughput(Throughput::Elements(BLOCKS as u64));
     g.measurement_time(Duration::from_secs(3));
@@ -50,23 +81,43 @@ fn bench(c: &mut Criterion) {
         &h,
         |bch, h| {
             bch.iter(|| {
-                let mut out = Vec::with_capacity(BLOCKS * 21 + 2);
+                let mut out = Vec::with_capacity(capacity);
                 serde_json::to_writer(&mut out, &AsI64(black_box(h))).unwrap();
                 out
             })
         },
     );
+    g.bench_with_input(BenchmarkId::from_parameter("itoa_loop"), &h, |bch, h| {
+        bch.iter(|| {
+            let mut out = Vec::with_capacity(capacity);
+            itoa_loop(&mut out, black_box(h));
+            out
+        })
+    });
     g.bench_with_input(
-        BenchmarkId::from_parameter("json_out_push_i64_array"),
+        BenchmarkId::from_parameter("json_out_portable"),
         &h,
         |bch, h| {
             bch.iter(|| {
-                let mut out = Vec::with_capacity(BLOCKS * 21 + 2);
-                kvselect::json_out::push_i64_array(&mut out, black_box(h));
+                let mut out = Vec::with_capacity(capacity);
+                kvselect::json_out::push_i64_array_portable(&mut out, black_box(h));
                 out
             })
         },
     );
+    if avx512() {
+        g.bench_with_input(
+            BenchmarkId::from_parameter("json_out_push_i64_array_avx512"),
+            &h,
+            |bch, h| {
+                bch.iter(|| {
+                    let mut out = Vec::with_capacity(capacity);
+                    kvselect::json_out::push_i64_array(&mut out, black_box(h));
+                    out
+                })
+            },
+        );
+    }
     g.finish();
 }
 
