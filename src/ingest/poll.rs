@@ -9,7 +9,7 @@
 // `libc::poll` over ZMQ_FD descriptors: the one FFI call of ingestion.
 #![allow(unsafe_code)]
 
-use super::listener::{Frames, Listener, Watch};
+use super::listener::{Frames, Listener, Polled, Watch};
 use super::spec::IngestConfig;
 use super::stats::Counters;
 use prometheus::local::LocalHistogram;
@@ -65,6 +65,8 @@ impl Thread {
     pub(super) fn run(&mut self) {
         let mut frames = Frames::default();
         let mut fds: Vec<libc::pollfd> = Vec::new();
+        // The doorbell's descriptor is the same for the thread's life.
+        let doorbell = self.doorbell.get_fd().ok();
         let mut last_sweep = Instant::now();
         let mut start = 0usize;
         loop {
@@ -84,22 +86,24 @@ impl Thread {
             // for its events once (which processes its commands) and read
             // until empty; a socket left unemptied (the per-round cap, a
             // parked SUB) or new to the poll set is `hot` and checked next
-            // round without waiting.
+            // round without waiting. A listener's descriptor is asked for
+            // (a getsockopt) only when its watched socket changes, which its
+            // serial number per socket tells (`listener.rs`).
             fds.clear();
-            fds.push(pollfd(self.doorbell.get_fd().ok()));
+            fds.push(pollfd(doorbell));
             for l in &mut self.listeners {
-                let w = l.watch();
-                let fd = l.watched(w).and_then(|s| s.get_fd().ok());
-                if l.polled != (w, fd) {
-                    l.polled = (w, fd);
+                let (watch, serial) = l.watching();
+                if (watch, serial) != (l.polled.watch, l.polled.serial) {
+                    let fd = l.watched(watch).and_then(|s| s.get_fd().ok());
+                    l.polled = Polled { watch, serial, fd };
                     l.hot = true;
                 }
-                fds.push(pollfd(fd));
+                fds.push(pollfd(l.polled.fd));
             }
             let any_hot = self
                 .listeners
                 .iter()
-                .any(|l| (l.hot && l.polled.0 != Watch::None) || l.ready());
+                .any(|l| (l.hot && l.polled.watch != Watch::None) || l.ready());
             // Round up so a 0.4 ms deadline does not spin at 0 ms.
             let ms = if any_hot {
                 0
@@ -138,7 +142,7 @@ impl Thread {
             for k in 0..n {
                 let i = (start + k) % n;
                 let l = &mut self.listeners[i];
-                let w = l.polled.0;
+                let w = l.polled.watch;
                 if w == Watch::None || !(l.hot || fired(i + 1)) {
                     continue;
                 }
@@ -169,7 +173,7 @@ impl Thread {
             let behind = self
                 .listeners
                 .iter()
-                .any(|l| (l.hot && l.polled.0 != Watch::None) || l.ready());
+                .any(|l| (l.hot && l.polled.watch != Watch::None) || l.ready());
             if !behind {
                 self.env.lag.caught_up(self.env.slot);
             }
