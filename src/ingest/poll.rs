@@ -26,11 +26,12 @@
 //!
 //! The set lives across rounds (level-triggered EPOLLIN), so a wake-up costs
 //! the ready descriptors, not all of them: `poll(2)` over the ~32 descriptors
-//! of a thread adds and removes a wait-queue entry for each on every call. A
-//! listener's descriptor is asked for (a getsockopt) only when its watched
-//! socket changes, which the listener tells by a serial number per socket
-//! (`listener.rs`). Each event carries its listener's id, not a position in
-//! the list: listeners are swap-removed.
+//! of a thread adds and removes a wait-queue entry for each on every call
+//! (`benches/ingest_wakeup.rs` measures both ways). A listener's descriptor
+//! is asked for (a getsockopt) only when its watched socket changes, which
+//! the listener tells by a serial number per socket (`listener.rs`). Each
+//! event carries its listener's id, not a position in the list: listeners
+//! are swap-removed.
 //!
 //! Descriptor numbers are reused. A ZMQ_FD closes with its socket (libzmq's
 //! reaper thread closes it, possibly a little later), the kernel drops a
