@@ -7,10 +7,10 @@
 //! `poll.rs`), or decide what a batch means (`sequence.rs`, `listener.rs`).
 //!
 //! Threading: ZMQ sockets are not thread-safe, so a fixed pool of OS threads
-//! each *own* their listeners' sockets and poll their descriptors (`ZMQ_FD`,
-//! edge-triggered; see `poll.rs`). The hub talks to a
+//! each *own* their listeners' sockets and wait on their descriptors
+//! (`ZMQ_FD`, in an epoll set; see `poll.rs`). The hub talks to a
 //! thread through a command channel plus an inproc "doorbell" socket that is
-//! part of the poll set, so a command wakes the thread at once; every command
+//! part of that set, so a command wakes the thread at once; every command
 //! is acknowledged, which makes stopping synchronous: once `set_worker` /
 //! `remove_worker` returns, a stopped listener has dropped its sockets and
 //! applies nothing more.
@@ -74,8 +74,8 @@ impl IngestHub {
     /// Starts the ingest threads.
     ///
     /// # Panics
-    /// If the OS refuses to create a thread or an inproc socket at startup
-    /// (no useful way to run without them).
+    /// If the OS refuses to create a thread, an inproc socket or an epoll
+    /// descriptor at startup (no useful way to run without them).
     pub fn new(config: IngestConfig) -> IngestHub {
         let (ctx, max_sockets) = Ctx::new(config.max_sockets);
         let counters = Arc::new(Counters::default());

@@ -4,8 +4,8 @@
 //! Each ingest thread publishes one instant: when it last stopped being
 //! caught up. A thread is caught up when a round of its poll loop ended
 //! with every socket it read emptied and every batch it read applied; it is
-//! then about to sleep in `poll`, and anything that arrives wakes it. When
-//! `poll` returns with work (a descriptor fired, or a socket left unread by
+//! then about to sleep in its wait (`poll.rs`), and anything that arrives
+//! wakes it. When the wait returns with work (a descriptor fired, or a socket left unread by
 //! the per-round cap), the thread is behind from that instant until a round
 //! ends caught up again. The index's lag is the longest such time over the
 //! threads, read live (`now - since`), so a thread stuck in a long apply
@@ -15,7 +15,7 @@
 //! histogram, which starts when a batch is read: a backlog that never gets
 //! read is exactly what makes an index stale. It is exact to within one
 //! round (a batch that arrived while the previous round was applying is
-//! counted from the next `poll`'s return). What it cannot see is a thread
+//! counted from the next wait's return). What it cannot see is a thread
 //! that the kernel has woken but not yet run; with the appliers at a higher
 //! scheduling priority than the HTTP threads (`runtime.rs`), that wait is
 //! short. A stream whose replay is running parks its batches outside this

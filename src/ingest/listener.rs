@@ -43,6 +43,42 @@ pub(super) enum Watch {
     Dealer,
 }
 
+/// The socket a listener has in its thread's poll set, as the poll loop
+/// last saw it (`poll.rs`).
+#[derive(Clone, Copy)]
+pub(super) struct Polled {
+    pub(super) watch: Watch,
+    /// The watched socket's [`Slot`] serial: a change means another socket.
+    pub(super) serial: u64,
+    /// Its descriptor (ZMQ_FD), asked for once per socket.
+    pub(super) fd: Option<RawFd>,
+}
+
+/// One socket of a listener and a serial number bumped whenever the socket
+/// is put in or taken out, so the poll loop can tell a replaced socket from
+/// the same one without asking it for its descriptor. (The descriptor number
+/// cannot tell: a new socket may get the number of one just closed.)
+#[derive(Default)]
+struct Slot {
+    sock: Option<Socket>,
+    serial: u64,
+}
+
+impl Slot {
+    fn set(&mut self, sock: Option<Socket>) {
+        self.sock = sock;
+        self.serial = self.serial.wrapping_add(1);
+    }
+
+    fn get(&self) -> Option<&Socket> {
+        self.sock.as_ref()
+    }
+
+    fn is_some(&self) -> bool {
+        self.sock.is_some()
+    }
+}
+
 /// Reusable frame buffers for one multipart message.
 #[derive(Default)]
 pub(super) struct Frames {
@@ -110,23 +146,23 @@ pub(super) struct Held {
 pub(super) struct Listener {
     pub(super) id: u64,
     spec: ListenerSpec,
-    sub: Option<Socket>,
+    sub: Slot,
     /// When to (re)try creating the SUB socket after an error.
     sub_retry: Option<Instant>,
     sub_backoff: Duration,
     /// The SUB socket could not be opened at the last attempt (logged once
     /// when this turns true, once when it turns false again).
     failing: bool,
-    dealer: Option<Socket>,
+    dealer: Slot,
     /// Cursor, restart detection, the replay in progress and its backoff.
     seq: Sequence<Held>,
     /// Live messages read and decoded, not yet applied (module docs).
     inbox: VecDeque<(u64, Held)>,
     applier: Applier,
     shared: Arc<Shared>,
-    /// The socket in this round's poll set (kind and descriptor), set when
-    /// the set is built; when it changes, the new one is `hot`.
-    pub(super) polled: (Watch, Option<RawFd>),
+    /// The socket in the thread's poll set, updated by the poll loop when
+    /// [`Listener::watching`] changes; a newly watched socket is `hot`.
+    pub(super) polled: Polled,
     /// Check the watched socket this round without waiting for its
     /// descriptor: it may hold messages that no longer signal (see
     /// `poll.rs`).
@@ -159,11 +195,11 @@ impl Listener {
             id,
             applier: Applier::new(worker_id, spec.dp_rank, spec.block_size),
             spec,
-            sub: None,
+            sub: Slot::default(),
             sub_retry: Some(Instant::now()),
             sub_backoff: config.reconnect_min,
             failing: false,
-            dealer: None,
+            dealer: Slot::default(),
             seq: Sequence::new(ReplayTiming {
                 timeout: config.replay_timeout,
                 backoff_min: config.reconnect_min,
@@ -171,7 +207,11 @@ impl Listener {
             }),
             inbox: VecDeque::new(),
             shared,
-            polled: (Watch::None, None),
+            polled: Polled {
+                watch: Watch::None,
+                serial: 0,
+                fd: None,
+            },
             hot: false,
             malformed_log: MalformedLog::default(),
         }
@@ -211,13 +251,25 @@ impl Listener {
     /// The socket to poll this round, if any.
     pub(super) fn watched(&self, w: Watch) -> Option<&zmq::Socket> {
         match w {
-            Watch::Sub => self.sub.as_deref(),
-            Watch::Dealer => self.dealer.as_deref(),
+            Watch::Sub => self.sub.get().map(|s| &**s),
+            Watch::Dealer => self.dealer.get().map(|s| &**s),
             Watch::None => None,
         }
     }
 
-    pub(super) fn watch(&self) -> Watch {
+    /// The socket to poll and its serial: the same pair means the same
+    /// socket (and so the same descriptor) as when last seen.
+    pub(super) fn watching(&self) -> (Watch, u64) {
+        let w = self.watch();
+        let serial = match w {
+            Watch::Sub => self.sub.serial,
+            Watch::Dealer => self.dealer.serial,
+            Watch::None => 0,
+        };
+        (w, serial)
+    }
+
+    fn watch(&self) -> Watch {
         if self.seq.replaying() {
             if self.dealer.is_some() {
                 Watch::Dealer
@@ -245,8 +297,8 @@ impl Listener {
     }
 
     pub(super) fn close(&mut self) {
-        self.sub = None;
-        self.dealer = None;
+        self.sub.set(None);
+        self.dealer.set(None);
         self.seq.abandon();
         self.inbox.clear();
         self.publish_queued();
@@ -275,7 +327,7 @@ impl Listener {
         if self.sub_retry.is_some_and(|at| now >= at) {
             match open_sub(&env.ctx, &self.spec.endpoint, &env.config) {
                 Ok(s) => {
-                    self.sub = Some(s);
+                    self.sub.set(Some(s));
                     self.sub_retry = None;
                     self.sub_backoff = env.config.reconnect_min;
                     if self.failing {
@@ -322,7 +374,9 @@ impl Listener {
         if self.seq.replaying() {
             return false;
         }
-        let Some(sub) = &self.sub else { return false };
+        let Some(sub) = self.sub.get() else {
+            return false;
+        };
         let at = Instant::now();
         let before = self.inbox.len();
         let mut emptied = false;
@@ -427,9 +481,13 @@ impl Listener {
     fn start_replay(&mut self, expected: u64, seq: u64, held: Held, env: &Env) {
         let now = Instant::now();
         let backing_off = !self.seq.may_replay(now);
-        if let (Some(ep), false, None) = (&self.spec.replay_endpoint, backing_off, &self.dealer) {
+        if let (Some(ep), false, false) = (
+            &self.spec.replay_endpoint,
+            backing_off,
+            self.dealer.is_some(),
+        ) {
             match open_dealer(&env.ctx, ep, &env.config) {
-                Ok(d) => self.dealer = Some(d),
+                Ok(d) => self.dealer.set(Some(d)),
                 Err(e) => {
                     inc(&env.counters.connect_errors);
                     tracing::warn!(endpoint = %ep, error = %e, "cannot open replay socket");
@@ -438,7 +496,7 @@ impl Listener {
             }
         }
         let sent = !backing_off
-            && self.dealer.as_ref().is_some_and(|d| {
+            && self.dealer.get().is_some_and(|d| {
                 d.send_multipart([&[][..], &expected.to_be_bytes()[..]], zmq::DONTWAIT)
                     .is_ok()
             });
@@ -457,7 +515,7 @@ impl Listener {
 
     fn replay_failed(&mut self, now: Instant) {
         // Late replies on the old socket would confuse the next replay.
-        self.dealer = None;
+        self.dealer.set(None);
         self.seq.replay_failed(now);
     }
 
@@ -466,7 +524,9 @@ impl Listener {
     pub(super) fn drain_dealer(&mut self, frames: &mut Frames, env: &Env) -> bool {
         let counters = &env.counters;
         for _ in 0..env.config.max_msgs_per_round {
-            let Some(d) = &self.dealer else { return false };
+            let Some(d) = self.dealer.get() else {
+                return false;
+            };
             match frames.recv(d) {
                 Ok(true) => {}
                 Ok(false) => return true,
@@ -545,7 +605,7 @@ impl Listener {
         } else {
             inc(&env.counters.replays_failed);
             // Late replies on the old socket would confuse the next replay.
-            self.dealer = None;
+            self.dealer.set(None);
         }
         match done.catchup {
             Catchup::Stale => inc(&env.counters.stale_dropped),
