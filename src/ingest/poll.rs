@@ -62,6 +62,9 @@ use std::time::{Duration, Instant};
 /// Longest a wait sleeps with nothing scheduled (commands wake it anyway).
 const IDLE_POLL: Duration = Duration::from_secs(1);
 
+/// Pause after an `epoll_wait` failure other than EINTR.
+const WAIT_FAILED_PAUSE: Duration = Duration::from_millis(10);
+
 /// The epoll owner id of the doorbell; listener ids count up from 0.
 const DOORBELL: u64 = u64::MAX;
 
@@ -391,6 +394,10 @@ impl Epoll {
             let e = io::Error::last_os_error();
             if e.kind() != io::ErrorKind::Interrupted {
                 tracing::warn!(error = %e, "epoll_wait failed");
+                // A failure that persists must not turn the loop into a
+                // spin that floods the log; the round still runs (the sweep
+                // reads every socket).
+                std::thread::sleep(WAIT_FAILED_PAUSE);
             }
             return &[];
         }
