@@ -275,9 +275,28 @@ impl<'a> Cursor<'a> {
         }
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
-            v.push(self.u32("token id")?);
+            v.push(self.token_id()?);
         }
         Ok((v, false))
+    }
+
+    /// One token id: [`Cursor::u32`] with the forms engines write (positive
+    /// fixint, uint8, uint16, uint32) read straight off the buffer. A
+    /// `BlockStored` carries 16 or more ids per block, and through the
+    /// general `int` each cost a marker decode and a 10-way match; any other
+    /// form, and a truncated one, takes that path and its errors.
+    #[inline(always)]
+    fn token_id(&mut self) -> Result<u32> {
+        let b = &self.buf[self.pos..];
+        let (v, len) = match *b {
+            [m, ..] if m < 0x80 => (m as u32, 1),
+            [0xcc, x, ..] => (x as u32, 2),
+            [0xcd, x, y, ..] => (u16::from_be_bytes([x, y]) as u32, 3),
+            [0xce, x, y, z, w, ..] => (u32::from_be_bytes([x, y, z, w]), 5),
+            _ => return self.u32("token id"),
+        };
+        self.pos += len;
+        Ok(v)
     }
 
     pub(super) fn f64(&mut self) -> Result<f64> {
@@ -433,5 +452,61 @@ impl<'a> Cursor<'a> {
                 .ok_or_else(|| self.err(DecodeErrorKind::Length))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Cursor;
+
+    /// Every msgpack integer form a token id may come in (and some it must
+    /// not), each value alone, in an array, and cut short at every byte: the
+    /// token path gives what the general `u32` path gives, value or error.
+    #[test]
+    fn token_ids_read_as_the_general_path_reads_them() {
+        let mut forms: Vec<Vec<u8>> = vec![
+            vec![0x00],
+            vec![0x7f],
+            vec![0xcc, 0x80],
+            vec![0xcc, 0xff],
+            vec![0xcd, 0x01, 0x00],
+            vec![0xcd, 0xff, 0xff],
+            vec![0xce, 0x00, 0x01, 0x00, 0x00],
+            vec![0xce, 0xff, 0xff, 0xff, 0xff],
+            vec![0xcf, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff],
+            vec![0xcf, 0, 0, 0, 1, 0, 0, 0, 0],
+            vec![0xd0, 0x05],
+            vec![0xd0, 0xfb],
+            vec![0xe0],
+            vec![0xd1, 0x7f, 0xff],
+            vec![0xd2, 0x80, 0, 0, 0],
+            vec![0xc0],
+            vec![0xa1, b'x'],
+            vec![0xca, 0, 0, 0, 0],
+        ];
+        // Every one-byte marker but the arrays' (an array of arrays is the
+        // bigram form, read by its own path).
+        forms.extend(
+            (0..=255u8)
+                .filter(|b| !matches!(b, 0x90..=0x9f | 0xdc | 0xdd))
+                .map(|b| vec![b]),
+        );
+        for form in &forms {
+            for cut in 0..=form.len() {
+                let mut array = vec![0x91];
+                array.extend_from_slice(&form[..cut]);
+                let mut fast = Cursor::new(&array);
+                let got = fast.tokens().map(|(v, _)| v);
+                let mut general = Cursor::new(&array);
+                let want = general
+                    .array_len("token_ids array")
+                    .and_then(|_| general.u32("token id"))
+                    .map(|t| vec![t]);
+                assert_eq!(got, want, "{form:02x?} cut at {cut}");
+                if got.is_ok() {
+                    assert_eq!(fast.pos, general.pos, "{form:02x?}");
+                }
+            }
+        }
     }
 }
