@@ -7,6 +7,10 @@
 //!   `hash/100k_bs16_fused` is `local_and_sequence_hashes` (one pass).
 //! - `apply/1_thread`, `apply/2_threads`: 16-block stores of 64 workers
 //!   (throughput in blocks).
+//! - `churn/store_remove_1000`: the seed profile's steady state: 128
+//!   workers each holding 8,000 blocks (1M nodes, far past the caches); one
+//!   round is a worker storing a 1,000-block chain under its newest block and
+//!   removing its 1,000 oldest (throughput in block operations).
 //! - `overlap/100k_1024w`: a 6,250-block prompt against 1,024 workers sharing
 //!   a 1,000-block prefix (each with 250 own blocks; worker 0 holds the whole
 //!   prompt); peer `overlap/naive_per_worker`: a `HashMap<key, Vec<(slot,
@@ -158,6 +162,66 @@ fn bench_apply(c: &mut Criterion) {
     g.finish();
 }
 
+/// One worker's blocks in the churn bench: engine hashes `(w << 40) | n` for
+/// `n` in `oldest..next`.
+struct ChurnWorker {
+    oldest: u64,
+    next: u64,
+}
+
+fn churn_blocks(w: u64, from: u64, n: u64) -> Vec<StoredBlock> {
+    (from..from + n)
+        .map(|i| StoredBlock {
+            engine_hash: (w << 40) | i,
+            local_hash: ((w << 40) | i).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1,
+        })
+        .collect()
+}
+
+fn bench_churn(c: &mut Criterion) {
+    const WORKERS: u64 = 128;
+    const HELD: u64 = 8000;
+    const ROUND: u64 = 1000;
+    let ix = Index::new();
+    let mut ws: Vec<ChurnWorker> = (0..WORKERS)
+        .map(|w| {
+            ix.store(wr(w), Tier::Device, None, &churn_blocks(w, 0, HELD))
+                .unwrap();
+            ChurnWorker {
+                oldest: 0,
+                next: HELD,
+            }
+        })
+        .collect();
+    let mut round = 0u64;
+    let mut removed: Vec<u64> = Vec::with_capacity(ROUND as usize);
+    let mut g = c.benchmark_group("churn");
+    g.throughput(Throughput::Elements(2 * ROUND));
+    g.bench_function("store_remove_1000", |b| {
+        b.iter_custom(|iters| {
+            let mut spent = Duration::ZERO;
+            for _ in 0..iters {
+                let w = round % WORKERS;
+                round += 1;
+                let st = &mut ws[w as usize];
+                let blocks = churn_blocks(w, st.next, ROUND);
+                removed.clear();
+                removed.extend((st.oldest..st.oldest + ROUND).map(|i| (w << 40) | i));
+                let parent = Some((w << 40) | (st.next - 1));
+                let t = Instant::now();
+                let added = ix.store(wr(w), Tier::Device, parent, &blocks).unwrap();
+                let gone = ix.remove(wr(w), Tier::Device, &removed);
+                spent += t.elapsed();
+                assert_eq!((added, gone), (ROUND as usize, ROUND as usize));
+                st.next += ROUND;
+                st.oldest += ROUND;
+            }
+            spent
+        })
+    });
+    g.finish();
+}
+
 fn bench_overlap(c: &mut Criterion) {
     let ix = Index::new();
     let prompt: Vec<u64> = (0..6250u64).map(|i| i * 0x1_0000_0001 + 7).collect();
@@ -221,6 +285,6 @@ criterion_group! {
         .sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    targets = bench_hash, bench_apply, bench_overlap
+    targets = bench_hash, bench_apply, bench_churn, bench_overlap
 }
 criterion_main!(benches);

@@ -79,6 +79,16 @@ impl EngineMap {
         self.find(*key).map(|i| &self.buckets[i].1)
     }
 
+    /// Hints the CPU to fetch `key`'s home bucket, ahead of an `insert` or
+    /// `remove` of it.
+    #[inline]
+    pub(crate) fn prefetch(&self, key: u64) {
+        let n = self.buckets.len();
+        if n > 0 {
+            super::table::prefetch_ptr(self.buckets.as_ptr().wrapping_add(home(key, n)));
+        }
+    }
+
     /// Sets `key` to `value`; returns the previous value.
     pub(crate) fn insert(&mut self, key: u64, value: u64) -> Option<u64> {
         if key == 0 {

@@ -159,6 +159,9 @@ const RANK_SHARDS: usize = 64;
 const WALK_CHUNK: usize = 2048;
 /// How many keys ahead the walk prefetches.
 const PREFETCH_AHEAD: usize = 32;
+/// How many blocks ahead a store or removal prefetches its engine-map and
+/// node buckets (each block costs a few hundred ns, mostly those misses).
+const WRITE_AHEAD: usize = 8;
 
 /// Maps keyed by hashes or small ids (`crate::fold`).
 type FoldMap<K, V> = HashMap<K, V, FoldBuild>;
@@ -173,7 +176,7 @@ struct NodeTable {
 /// Cache-line aligned so neighbouring shards' lock words do not share a line.
 #[repr(align(128))]
 #[derive(Default)]
-struct NodeShard(RwLock<NodeTable>);
+struct NodeShard(RwLock<NodeTable>, table::Hint);
 
 /// The KV index of one partition. `Send + Sync`; share it as `Arc<Index>`.
 pub struct Index {
@@ -303,16 +306,32 @@ impl Index {
         let RankState {
             slot, tiers, dups, ..
         } = st;
+        // The keys first (a cheap dependent chain), so that the loop below
+        // can prefetch the buckets of the blocks `WRITE_AHEAD` ahead.
+        let keys: Vec<u64> = blocks
+            .iter()
+            .scan(prev, |p, b| {
+                let key = p.map_or(b.local_hash, |p| chain(p, b.local_hash, PUBLIC_SEED));
+                *p = Some(key);
+                Some(key)
+            })
+            .collect();
+        for (b, &key) in blocks.iter().zip(&keys).take(WRITE_AHEAD) {
+            tiers[t].prefetch(b.engine_hash);
+            self.prefetch_node(key);
+        }
         let mut added = 0;
         // Long stores are cut into runs of at most MAX_RUN blocks (the last
         // one only if it has MIN_RUN blocks); see `runs.rs`.
         let mut run: Option<(u32, usize)> = None;
         let mut run_end = 0;
-        for (i, b) in blocks.iter().enumerate() {
-            let key = match prev {
-                None => b.local_hash,
-                Some(p) => chain(p, b.local_hash, PUBLIC_SEED),
-            };
+        for (i, (b, &key)) in blocks.iter().zip(&keys).enumerate() {
+            if let Some((ahead, &ahead_key)) =
+                blocks.get(i + WRITE_AHEAD).zip(keys.get(i + WRITE_AHEAD))
+            {
+                tiers[t].prefetch(ahead.engine_hash);
+                self.prefetch_node(ahead_key);
+            }
             if i == run_end && blocks.len() - i >= runs::MIN_RUN {
                 run_end = (i + runs::MAX_RUN).min(blocks.len());
                 run = self.runs.begin(run_end - i, tier_bit(t)).map(|id| (id, i));
@@ -342,6 +361,11 @@ impl Index {
         Ok(added)
     }
 
+    #[inline]
+    fn prefetch_node(&self, key: u64) {
+        self.nodes[node_shard(key)].1.prefetch(key);
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn acquire(
         &self,
@@ -353,7 +377,8 @@ impl Index {
         parent: u64,
         tag: Option<u32>,
     ) {
-        let mut g = self.nodes[node_shard(key)].0.write();
+        let shard = &self.nodes[node_shard(key)];
+        let mut g = shard.0.write();
         let table = &mut *g;
         let node = table.nodes.entry(key, local, parent);
         let change = change_holders(&self.runs, &mut table.heap, &mut node.holders, |h| {
@@ -364,6 +389,7 @@ impl Index {
                 self.runs.tagged(tag);
             }
         }
+        shard.1.publish(&table.nodes);
         if change == Change::Changed {
             table.entries += 1;
         } else {
@@ -381,7 +407,8 @@ impl Index {
             }
             return;
         }
-        let mut g = self.nodes[node_shard(key)].0.write();
+        let shard = &self.nodes[node_shard(key)];
+        let mut g = shard.0.write();
         let table = &mut *g;
         let heap = &mut table.heap;
         let change = table.nodes.update(key, |node| {
@@ -389,6 +416,7 @@ impl Index {
                 h.clear(slot, tier_bit(t))
             })
         });
+        shard.1.publish(&table.nodes);
         if change == Some(Change::Changed) {
             table.entries -= 1;
         }
@@ -409,15 +437,32 @@ impl Index {
         let RankState {
             slot, tiers, dups, ..
         } = &mut *st;
-        let mut n = 0;
-        for h in engine_hashes {
-            if let Some(key) = tiers[t].remove(h) {
-                self.release(*slot, dups, t, key);
-                n += 1;
-            }
+        // Two passes, each prefetching `WRITE_AHEAD` ahead: the engine map
+        // gives the node keys, then the nodes are released in the same
+        // order (a release reads only `dups` and the node table, so the
+        // result is that of one interleaved pass).
+        let map = &mut tiers[t];
+        for &h in engine_hashes.iter().take(WRITE_AHEAD) {
+            map.prefetch(h);
         }
-        tiers[t].shrink();
-        n
+        let mut keys = Vec::with_capacity(engine_hashes.len());
+        for (i, h) in engine_hashes.iter().enumerate() {
+            if let Some(&ahead) = engine_hashes.get(i + WRITE_AHEAD) {
+                map.prefetch(ahead);
+            }
+            keys.extend(map.remove(h));
+        }
+        map.shrink();
+        for &key in keys.iter().take(WRITE_AHEAD) {
+            self.prefetch_node(key);
+        }
+        for (i, &key) in keys.iter().enumerate() {
+            if let Some(&ahead) = keys.get(i + WRITE_AHEAD) {
+                self.prefetch_node(ahead);
+            }
+            self.release(*slot, dups, t, key);
+        }
+        keys.len()
     }
 
     /// Fills `out` (cleared first) with the overlap of every (worker, rank)

@@ -21,6 +21,9 @@
 // Prefetching a bucket address computed ahead of the walk.
 #![allow(unsafe_code)]
 
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicPtr, AtomicUsize};
+
 use super::holders::Holders;
 
 pub(crate) struct Node {
@@ -120,6 +123,58 @@ pub(crate) fn probe_likely(buckets: &[Node], start: usize, key: u64) -> Option<&
         if i == n {
             i = 0;
         }
+    }
+}
+
+/// Hints the CPU to fetch the line at `p`. Any address will do: a prefetch
+/// never faults, so `p` may be stale or dangling.
+#[inline]
+pub(crate) fn prefetch_ptr<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetching is a hint that never faults and reads nothing.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// Where a shard's table kept its arrays when its write lock was last
+/// released, so that a writer can prefetch the buckets of its next keys
+/// before it takes the lock. Read without the lock: the addresses may be
+/// stale by the time they are used, which only wastes the prefetch.
+#[derive(Default)]
+pub(crate) struct Hint {
+    buckets: AtomicPtr<Node>,
+    cold: AtomicPtr<Cold>,
+    len: AtomicUsize,
+}
+
+impl Hint {
+    /// Records `t`'s arrays; writes only when they moved (the line is read
+    /// by other writers' prefetches).
+    #[inline]
+    pub(crate) fn publish(&self, t: &NodeTable) {
+        let b = t.buckets.as_ptr() as *mut Node;
+        if self.buckets.load(Relaxed) != b || self.len.load(Relaxed) != t.buckets.len() {
+            self.buckets.store(b, Relaxed);
+            self.cold.store(t.cold.as_ptr() as *mut Cold, Relaxed);
+            self.len.store(t.buckets.len(), Relaxed);
+        }
+    }
+
+    /// Prefetches the home bucket of `key` and its cold half (an insert
+    /// writes both; a removal shifts both).
+    #[inline]
+    pub(crate) fn prefetch(&self, key: u64) {
+        let n = self.len.load(Relaxed);
+        if n == 0 {
+            return;
+        }
+        let i = home(key, n);
+        prefetch_ptr(self.buckets.load(Relaxed).wrapping_add(i));
+        prefetch_ptr(self.cold.load(Relaxed).wrapping_add(i));
     }
 }
 
