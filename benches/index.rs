@@ -10,7 +10,8 @@
 //! - `churn/store_remove_1000`: the seed profile's steady state: 128
 //!   workers each holding 8,000 blocks (1M nodes, far past the caches); one
 //!   round is a worker storing a 1,000-block chain under its newest block and
-//!   removing its 1,000 oldest (throughput in block operations).
+//!   removing its 1,000 oldest (throughput in block operations); peer
+//!   `churn/store_remove_1000_single` removes them one call per block.
 //! - `overlap/100k_1024w`: a 6,250-block prompt against 1,024 workers sharing
 //!   a 1,000-block prefix (each with 250 own blocks; worker 0 holds the whole
 //!   prompt); peer `overlap/naive_per_worker`: a `HashMap<key, Vec<(slot,
@@ -197,28 +198,38 @@ fn bench_churn(c: &mut Criterion) {
     let mut removed: Vec<u64> = Vec::with_capacity(ROUND as usize);
     let mut g = c.benchmark_group("churn");
     g.throughput(Throughput::Elements(2 * ROUND));
-    g.bench_function("store_remove_1000", |b| {
-        b.iter_custom(|iters| {
-            let mut spent = Duration::ZERO;
-            for _ in 0..iters {
-                let w = round % WORKERS;
-                round += 1;
-                let st = &mut ws[w as usize];
-                let blocks = churn_blocks(w, st.next, ROUND);
-                removed.clear();
-                removed.extend((st.oldest..st.oldest + ROUND).map(|i| (w << 40) | i));
-                let parent = Some((w << 40) | (st.next - 1));
-                let t = Instant::now();
-                let added = ix.store(wr(w), Tier::Device, parent, &blocks).unwrap();
-                let gone = ix.remove(wr(w), Tier::Device, &removed);
-                spent += t.elapsed();
-                assert_eq!((added, gone), (ROUND as usize, ROUND as usize));
-                st.next += ROUND;
-                st.oldest += ROUND;
-            }
-            spent
-        })
-    });
+    // The peer removes one hash per call, as applying vLLM's one
+    // BlockRemoved per block event by event would.
+    for (name, per_call) in [
+        ("store_remove_1000", ROUND),
+        ("store_remove_1000_single", 1),
+    ] {
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    let w = round % WORKERS;
+                    round += 1;
+                    let st = &mut ws[w as usize];
+                    let blocks = churn_blocks(w, st.next, ROUND);
+                    removed.clear();
+                    removed.extend((st.oldest..st.oldest + ROUND).map(|i| (w << 40) | i));
+                    let parent = Some((w << 40) | (st.next - 1));
+                    let t = Instant::now();
+                    let added = ix.store(wr(w), Tier::Device, parent, &blocks).unwrap();
+                    let gone: usize = removed
+                        .chunks(per_call as usize)
+                        .map(|c| ix.remove(wr(w), Tier::Device, c))
+                        .sum();
+                    spent += t.elapsed();
+                    assert_eq!((added, gone), (ROUND as usize, ROUND as usize));
+                    st.next += ROUND;
+                    st.oldest += ROUND;
+                }
+                spent
+            })
+        });
+    }
     g.finish();
 }
 

@@ -461,3 +461,67 @@ fn keys4(tokens: &[u32], lora: Option<&str>, salt: Option<&str>) -> Vec<u64> {
     local_block_hashes(tokens, 4, false, salt_seed(lora, salt), None, &mut local);
     chain_of(&local)
 }
+
+/// A batch of single-block removals (vLLM's form) is applied as runs per
+/// tier; the result must be that of applying each event on its own: across
+/// tier changes, an ignored group in the middle, repeats and unknown hashes.
+#[test]
+fn runs_of_removals_equal_one_event_at_a_time() {
+    let rm = |h: u64, medium: Tier, group: Group| {
+        KvEvent::Removed(Removed {
+            block_hashes: vec![h],
+            medium,
+            group,
+        })
+    };
+    let other = Group {
+        idx: Some(3),
+        kind: Some(GroupKind::Other),
+    };
+    let main = Group::default();
+    let removals = vec![
+        rm(4, Tier::Device, main),
+        rm(3, Tier::Device, main),
+        rm(14, Tier::HostPinned, main),
+        rm(2, Tier::Device, other),
+        rm(2, Tier::Device, main),
+        rm(2, Tier::Device, main),
+        rm(99, Tier::Device, main),
+        rm(13, Tier::HostPinned, main),
+    ];
+    let k = keys(&range(1, 64), false, None, None);
+    let fill = |index: &Index, ap: &mut Applier| {
+        let mut cpu = stored(&[11, 12, 13, 14], None, range(1, 64));
+        cpu.medium = Tier::HostPinned;
+        apply(
+            ap,
+            index,
+            vec![
+                KvEvent::Stored(stored(&[1, 2, 3, 4], None, range(1, 64))),
+                KvEvent::Stored(cpu),
+            ],
+            None,
+        );
+    };
+    let batched = (Index::new(), &mut Applier::new(W, 0, BS));
+    fill(&batched.0, batched.1);
+    let c = apply(batched.1, &batched.0, removals.clone(), None);
+    let single = (Index::new(), &mut Applier::new(W, 0, BS));
+    fill(&single.0, single.1);
+    let mut sum = ApplyCounts::default();
+    for ev in removals {
+        let one = apply(single.1, &single.0, vec![ev], None);
+        sum.events_applied += one.events_applied;
+        sum.blocks_removed += one.blocks_removed;
+        sum.events_ignored_group += one.events_ignored_group;
+    }
+    assert_eq!(c, sum);
+    assert_eq!(
+        (c.events_applied, c.blocks_removed, c.events_ignored_group),
+        (7, 5, 1)
+    );
+    let o = row(&batched.0, &k, 0);
+    assert_eq!(o, row(&single.0, &k, 0));
+    assert_eq!((o.device, o.device + o.host_ext), (1, 2));
+    assert_eq!(batched.0.stats(), single.0.stats());
+}

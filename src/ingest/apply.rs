@@ -62,6 +62,8 @@ pub struct Applier {
     salts: HashMap<(u32, Tier, u64), u64>,
     local: Vec<u64>,
     blocks: Vec<StoredBlock>,
+    /// Engine hashes of a run of removals (reused).
+    removed: Vec<u64>,
 }
 
 impl Applier {
@@ -75,6 +77,7 @@ impl Applier {
             salts: HashMap::new(),
             local: Vec::new(),
             blocks: Vec::new(),
+            removed: Vec::new(),
         }
     }
 
@@ -137,7 +140,8 @@ impl Applier {
             return;
         }
         let wr = self.rank_of(batch);
-        for ev in &batch.events {
+        let mut events = batch.events.iter().peekable();
+        while let Some(ev) = events.next() {
             match ev {
                 KvEvent::Stored(s) => {
                     if !self.is_main(&s.group) {
@@ -151,13 +155,29 @@ impl Applier {
                         c.events_ignored_group += 1;
                         continue;
                     }
-                    c.blocks_removed += index.remove(wr, r.medium, &r.block_hashes) as u64;
+                    // vLLM sends one BlockRemoved per evicted block: the run
+                    // of removals from this tier that follows is one index
+                    // call (the same result, in the same order), which lets
+                    // the index prefetch across them.
+                    let mut hashes = std::mem::take(&mut self.removed);
+                    hashes.clear();
+                    hashes.extend_from_slice(&r.block_hashes);
                     c.events_applied += 1;
+                    while let Some(KvEvent::Removed(next)) = events.peek() {
+                        if next.medium != r.medium || !self.is_main(&next.group) {
+                            break;
+                        }
+                        hashes.extend_from_slice(&next.block_hashes);
+                        c.events_applied += 1;
+                        events.next();
+                    }
+                    c.blocks_removed += index.remove(wr, r.medium, &hashes) as u64;
                     if !self.salts.is_empty() {
-                        for &h in &r.block_hashes {
+                        for &h in &hashes {
                             self.salts.remove(&(wr.dp_rank, r.medium, h));
                         }
                     }
+                    self.removed = hashes;
                 }
                 KvEvent::Cleared => {
                     index.clear(wr);
