@@ -25,6 +25,10 @@
 //! shard read locks lazily with `read_recursive` (so holding several can never
 //! deadlock against a queued writer) and drops them all every `WALK_CHUNK`
 //! blocks, so a writer waits at most one chunk. Guards never leave this module.
+//! Stores and removals know their blocks in advance, so they prefetch the
+//! engine-map and node buckets of the block `WRITE_AHEAD` ahead; each node
+//! shard publishes where its arrays are (`table::Hint`) so that this happens
+//! before its lock is taken.
 //! Lock order: rank registry shard -> rank -> node shard -> run records
 //! (`runs.rs`: allocator -> segments); the slot table is taken alone.
 //!
