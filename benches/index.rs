@@ -12,6 +12,9 @@
 //!   round is a worker storing a 1,000-block chain under its newest block and
 //!   removing its 1,000 oldest (throughput in block operations); peer
 //!   `churn/store_remove_1000_single` removes them one call per block.
+//! - `overlap/cold_two_holders`: 1,500-block prompts of 512 sessions, each
+//!   held by two workers and stored 16 blocks at a time (no runs), walked in
+//!   turn so that every probe misses the caches.
 //! - `overlap/100k_1024w`: a 6,250-block prompt against 1,024 workers sharing
 //!   a 1,000-block prefix (each with 250 own blocks; worker 0 holds the whole
 //!   prompt); peer `overlap/naive_per_worker`: a `HashMap<key, Vec<(slot,
@@ -233,6 +236,53 @@ fn bench_churn(c: &mut Criterion) {
     g.finish();
 }
 
+/// Cold walks of prompts held block by block: 512 sessions of 1,500 blocks,
+/// each stored by two workers in 16-block stores (no runs), so every block
+/// is a probe of a node far past the caches; each iteration walks the next
+/// session's prompt.
+fn bench_overlap_cold(c: &mut Criterion) {
+    const SESSIONS: u64 = 512;
+    const BLOCKS: u64 = 1500;
+    let ix = Index::new();
+    let prompts: Vec<Vec<u64>> = (0..SESSIONS)
+        .map(|s| {
+            let local: Vec<u64> = (0..BLOCKS)
+                .map(|i| ((s << 32) | i).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+                .collect();
+            for w in [s % 128, (s + 1) % 128] {
+                for (k, c) in local.chunks(16).enumerate() {
+                    let first = (s << 32) | (k as u64 * 16);
+                    let blocks: Vec<StoredBlock> = c
+                        .iter()
+                        .enumerate()
+                        .map(|(j, &l)| StoredBlock {
+                            engine_hash: first + j as u64 + 1,
+                            local_hash: l,
+                        })
+                        .collect();
+                    let parent = (k > 0).then_some(first);
+                    ix.store(wr(w), Tier::Device, parent, &blocks).unwrap();
+                }
+            }
+            let mut keys = Vec::new();
+            sequence_hashes(&local, PUBLIC_SEED, &mut keys);
+            keys
+        })
+        .collect();
+    let mut g = c.benchmark_group("overlap");
+    let mut out = Vec::new();
+    let mut next = 0;
+    g.bench_function(BenchmarkId::new("cold_two_holders", BLOCKS), |b| {
+        b.iter(|| {
+            next = (next + 1) % prompts.len();
+            ix.overlap(&prompts[next], &mut out);
+            assert_eq!(out.len(), 2);
+            out.len()
+        })
+    });
+    g.finish();
+}
+
 fn bench_overlap(c: &mut Criterion) {
     let ix = Index::new();
     let prompt: Vec<u64> = (0..6250u64).map(|i| i * 0x1_0000_0001 + 7).collect();
@@ -296,6 +346,6 @@ criterion_group! {
         .sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    targets = bench_hash, bench_apply, bench_churn, bench_overlap
+    targets = bench_hash, bench_apply, bench_churn, bench_overlap, bench_overlap_cold
 }
 criterion_main!(benches);
