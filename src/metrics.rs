@@ -71,6 +71,7 @@ pub struct Metrics {
     connections: IntGauge,
     accepted: IntCounter,
     rejected: IntCounter,
+    evicted: IntCounter,
     timeouts: IntCounterVec,
 }
 
@@ -147,6 +148,14 @@ impl Metrics {
                 )
                 .expect("valid"),
             ),
+            evicted: registered(
+                &r,
+                IntCounter::new(
+                    "kvselect_http_connections_evicted_total",
+                    "Idle client connections closed to make room for a new one at --max-connections.",
+                )
+                .expect("valid"),
+            ),
             timeouts: registered(
                 &r,
                 IntCounterVec::new(
@@ -188,6 +197,10 @@ impl Metrics {
 
     pub fn connection_rejected(&self) {
         self.rejected.inc();
+    }
+
+    pub fn connection_evicted(&self) {
+        self.evicted.inc();
     }
 
     pub fn timeout(&self, kind: Timeout) {

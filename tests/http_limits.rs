@@ -209,19 +209,89 @@ async fn idle_keep_alive_connections_meet_the_idle_timeout_not_the_header_timeou
     );
 }
 
-#[tokio::test]
-async fn connections_beyond_the_cap_are_closed_and_health_answers_again() {
-    let s = start_with(limits(|l| l.max_connections = 8)).await;
+/// Opens `n` connections and makes one /health request on each, leaving
+/// them idle and open (keep-alive).
+async fn idle_keep_alive(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
     let mut held = Vec::new();
-    for _ in 0..8 {
-        let mut c = TcpStream::connect(s.addr).await.unwrap();
+    for _ in 0..n {
+        let mut c = TcpStream::connect(addr).await.unwrap();
         c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             .await
             .unwrap();
         let mut buf = [0u8; 1024];
         assert!(c.read(&mut buf).await.unwrap() > 0);
         held.push(c);
+        // Distinct quiet times, so which one is quietest is defined.
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    held
+}
+
+#[tokio::test]
+async fn at_the_cap_a_new_connection_takes_the_slot_of_the_quietest_idle_one() {
+    let s = start_with(limits(|l| l.max_connections = 8)).await;
+    let mut held = idle_keep_alive(s.addr, 8).await;
+    // Two more, one after the other, each kept open: each is served, and
+    // the two connections idle the longest are closed to make room.
+    let mut extras = Vec::new();
+    for (round, quietest) in held.iter_mut().take(2).enumerate() {
+        let mut extra = TcpStream::connect(s.addr).await.unwrap();
+        extra
+            .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 1024];
+        let n = tokio::time::timeout(Duration::from_secs(3), extra.read(&mut buf))
+            .await
+            .expect("answered")
+            .unwrap();
+        assert!(
+            buf[..n].starts_with(b"HTTP/1.1 200"),
+            "round {round}: {}",
+            String::from_utf8_lossy(&buf[..n])
+        );
+        extras.push(extra);
+        let evicted = closed_within(quietest, Duration::from_secs(3)).await;
+        assert_eq!(evicted.as_deref(), Some(&b""[..]), "round {round}");
+    }
+    // The rest are still open and serve requests.
+    for c in &mut held[2..] {
+        c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 1024];
+        let n = tokio::time::timeout(Duration::from_secs(3), c.read(&mut buf))
+            .await
+            .expect("answered")
+            .unwrap();
+        assert!(
+            buf[..n].starts_with(b"HTTP/1.1 200"),
+            "{}",
+            String::from_utf8_lossy(&buf[..n])
+        );
+    }
+    // Eight are open again, so the metrics client's connection is the
+    // third to take an idle one's slot.
+    assert_eq!(s.metric("kvselect_http_connections_evicted_total").await, 3);
+    assert_eq!(
+        s.metric("kvselect_http_connections_rejected_total").await,
+        0
+    );
+}
+
+#[tokio::test]
+async fn at_the_cap_with_every_connection_busy_a_new_one_is_closed() {
+    let s = start_with(limits(|l| l.max_connections = 8)).await;
+    // Eight uploads whose heads are complete: requests in flight, which
+    // are never evicted.
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        let mut c = TcpStream::connect(s.addr).await.unwrap();
+        c.write_all(&stalled_upload()).await.unwrap();
+        held.push(c);
+    }
+    // (No metric is read until they close: that would need a connection.)
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let mut extra = TcpStream::connect(s.addr).await.unwrap();
     let _ = extra
         .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -241,6 +311,7 @@ async fn connections_beyond_the_cap_are_closed_and_health_answers_again() {
     .await;
     assert!(ok);
     assert!(s.metric("kvselect_http_connections_rejected_total").await >= 1);
+    assert_eq!(s.metric("kvselect_http_connections_evicted_total").await, 0);
 }
 
 #[tokio::test]

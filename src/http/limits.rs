@@ -19,7 +19,17 @@
 //!   [`DRAIN_QUIET`] between requests, and every response while draining
 //!   carries `Connection: close`, so a client in the middle of a
 //!   request/response loop gets its answer rather than a reset.
+//!
+//! At `--max-connections`, a new connection takes the slot of the open one
+//! that has been quiet longest with no request in flight ([`Open`]): that
+//! one is closed as by the idle timeout (a keep-alive client reconnects, as
+//! it must after any idle close), and the new one is served once its slot is
+//! free. So idle keep-alive pools and half-sent heads cannot lock out
+//! `/health` or new clients. Only when every open connection has a request
+//! in flight is the new one closed on accept. At most [`EVICT_WAITERS`]
+//! accepted sockets wait for a freed slot, each at most [`EVICT_WAIT`].
 
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -36,6 +46,75 @@ pub const DRAIN_QUIET: Duration = Duration::from_millis(250);
 /// After the server starts closing a connection because of a timeout, it
 /// drops the socket if the connection has not ended by then.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// Accepted sockets waiting, at most, for a slot an eviction frees.
+pub const EVICT_WAITERS: usize = 64;
+/// How long such a socket waits before it is closed after all.
+pub const EVICT_WAIT: Duration = Duration::from_millis(500);
+
+/// The open connections of one listener, for eviction at the cap.
+#[derive(Default)]
+pub struct Open {
+    conns: parking_lot::Mutex<HashMap<u64, Arc<Conn>>>,
+    next: AtomicU64,
+}
+
+/// One open connection, as [`Open`] sees it.
+pub struct Conn {
+    activity: Arc<Activity>,
+    /// Signalled to close this connection; its watchdog waits on it.
+    pub evict: tokio::sync::Notify,
+    evicting: AtomicBool,
+}
+
+/// Removes its connection from [`Open`] when dropped.
+pub struct Registered<'a> {
+    open: &'a Open,
+    id: u64,
+    pub conn: Arc<Conn>,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        self.open.conns.lock().remove(&self.id);
+    }
+}
+
+impl Open {
+    pub fn register(&self, activity: Arc<Activity>) -> Registered<'_> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let conn = Arc::new(Conn {
+            activity,
+            evict: tokio::sync::Notify::new(),
+            evicting: AtomicBool::new(false),
+        });
+        self.conns.lock().insert(id, Arc::clone(&conn));
+        Registered {
+            open: self,
+            id,
+            conn,
+        }
+    }
+
+    /// Asks the connection quiet the longest, among those with no request
+    /// in flight and not already asked, to close. False when there is none.
+    pub fn evict_quietest(&self) -> bool {
+        let victim = self
+            .conns
+            .lock()
+            .values()
+            .filter(|c| !c.evicting.load(Ordering::Relaxed))
+            .filter_map(|c| c.activity.quiet_since().map(|t| (t, c)))
+            .min_by_key(|(t, _)| *t)
+            .map(|(_, c)| Arc::clone(c));
+        let Some(c) = victim else {
+            return false;
+        };
+        c.evicting.store(true, Ordering::Relaxed);
+        c.evict.notify_one();
+        true
+    }
+}
 
 /// Milliseconds since the connection opened; 0 means "not set".
 type Ms = u64;
@@ -61,6 +140,8 @@ pub enum Verdict {
     IdleTimeout,
     /// Draining: close gracefully (GOAWAY for HTTP/2).
     DrainClose,
+    /// A connection beyond the cap took this idle one's slot ([`Open`]).
+    Evicted,
 }
 
 impl Default for Activity {
@@ -110,6 +191,24 @@ impl Activity {
         self.in_flight.fetch_add(1, Ordering::SeqCst);
         self.head_since.store(0, Ordering::Relaxed);
         InFlight(Arc::clone(self))
+    }
+
+    /// Since when the connection has done nothing, for eviction: `None`
+    /// while a request is in flight; else the start of a pending HTTP/1
+    /// head, or the later of the last request's end and the last write.
+    pub fn quiet_since(&self) -> Option<Instant> {
+        if self.in_flight.load(Ordering::SeqCst) > 0 {
+            return None;
+        }
+        let head_since = self.head_since.load(Ordering::Relaxed);
+        let t = if !self.is_http2() && head_since != 0 {
+            head_since
+        } else {
+            self.idle_since
+                .load(Ordering::Relaxed)
+                .max(self.last_write.load(Ordering::Relaxed))
+        };
+        Some(self.opened + Duration::from_millis(t))
     }
 
     pub fn is_http2(&self) -> bool {

@@ -44,7 +44,9 @@ use hyper::header::{
 use hyper::{Method, Request, Response, StatusCode, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use limits::{Activity, HttpLimits, Tracked, Verdict, CLOSE_GRACE};
+use limits::{
+    Activity, HttpLimits, Open, Tracked, Verdict, CLOSE_GRACE, EVICT_WAIT, EVICT_WAITERS,
+};
 use serde::Serialize;
 use std::convert::Infallible;
 use std::future::Future;
@@ -153,6 +155,8 @@ impl Server {
     pub async fn serve(self: Arc<Self>, listener: TcpListener, shutdown: impl Future<Output = ()>) {
         let limits = self.limits;
         let slots = Arc::new(Semaphore::new(limits.max_connections));
+        let waiters = Arc::new(Semaphore::new(EVICT_WAITERS));
+        let open = Arc::new(Open::default());
         let (drain_tx, drain_rx) = watch::channel(false);
         let (abort_tx, abort_rx) = watch::channel(false);
         tokio::pin!(shutdown);
@@ -170,18 +174,41 @@ impl Server {
                     }
                 },
             };
-            let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
-                // Closing at once keeps the socket from holding a file
-                // descriptor and memory; queueing it would not bound either.
-                self.metrics.connection_rejected();
-                tracing::debug!(%peer, "connection refused: --max-connections reached");
-                drop(stream);
-                continue;
-            };
             let server = Arc::clone(&self);
             let (drain, abort) = (drain_rx.clone(), abort_rx.clone());
+            let open = Arc::clone(&open);
+            let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
+                // At the cap: take an idle connection's slot (limits.rs),
+                // waiting off this loop, a bounded number at a time.
+                // Otherwise close at once, which keeps the socket from
+                // holding a file descriptor and memory.
+                let waiter = Arc::clone(&waiters)
+                    .try_acquire_owned()
+                    .ok()
+                    .filter(|_| open.evict_quietest());
+                if let Some(waiter) = waiter {
+                    let slots = Arc::clone(&slots);
+                    tokio::spawn(async move {
+                        let freed = tokio::time::timeout(EVICT_WAIT, slots.acquire_owned()).await;
+                        drop(waiter);
+                        match freed {
+                            Ok(Ok(permit)) => {
+                                server
+                                    .connection(stream, peer, permit, &open, drain, abort)
+                                    .await
+                            }
+                            _ => server.refuse(peer, stream),
+                        }
+                    });
+                } else {
+                    self.refuse(peer, stream);
+                }
+                continue;
+            };
             tokio::spawn(async move {
-                server.connection(stream, peer, permit, drain, abort).await;
+                server
+                    .connection(stream, peer, permit, &open, drain, abort)
+                    .await;
             });
         }
         self.app.begin_shutdown();
@@ -206,29 +233,40 @@ impl Server {
         }
     }
 
+    /// Closes a socket accepted beyond `--max-connections`.
+    fn refuse(&self, peer: SocketAddr, stream: TcpStream) {
+        self.metrics.connection_rejected();
+        tracing::debug!(%peer, "connection refused: --max-connections reached");
+        drop(stream);
+    }
+
     async fn connection(
         self: Arc<Self>,
         stream: TcpStream,
         peer: SocketAddr,
         _permit: OwnedSemaphorePermit,
+        open: &Open,
         drain: watch::Receiver<bool>,
         mut abort: watch::Receiver<bool>,
     ) {
         self.metrics.connection_opened();
         let _ = stream.set_nodelay(true);
         let activity = Arc::new(Activity::new());
+        let reg = open.register(Arc::clone(&activity));
+        let evict = &reg.conn.evict;
         let io = Tracked::new(stream, Arc::clone(&activity));
         match &self.tls {
-            None => self.drive(io, peer, activity, drain, abort).await,
+            None => self.drive(io, peer, activity, evict, drain, abort).await,
             Some(acceptor) => {
                 let handshake =
                     tokio::time::timeout(self.limits.header_read_timeout, acceptor.accept(io));
                 tokio::select! {
                     r = handshake => match r {
-                        Ok(Ok(tls)) => self.drive(tls, peer, activity, drain, abort).await,
+                        Ok(Ok(tls)) => self.drive(tls, peer, activity, evict, drain, abort).await,
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                         Err(_) => self.metrics.timeout(Timeout::Header),
                     },
+                    _ = evict.notified() => self.metrics.connection_evicted(),
                     _ = abort.changed() => {}
                 }
             }
@@ -242,6 +280,7 @@ impl Server {
         io: S,
         peer: SocketAddr,
         activity: Arc<Activity>,
+        evict: &tokio::sync::Notify,
         mut drain: watch::Receiver<bool>,
         mut abort: watch::Receiver<bool>,
     ) where
@@ -284,12 +323,14 @@ impl Server {
                         break Verdict::DrainClose;
                     }
                 }
+                _ = evict.notified() => break Verdict::Evicted,
                 _ = abort.changed() => return,
             }
         };
         match verdict {
             Verdict::HeaderTimeout => self.metrics.timeout(Timeout::Header),
             Verdict::IdleTimeout => self.metrics.timeout(Timeout::Idle),
+            Verdict::Evicted => self.metrics.connection_evicted(),
             Verdict::DrainClose | Verdict::Keep => {}
         }
         tracing::debug!(%peer, ?verdict, "closing connection");
