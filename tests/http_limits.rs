@@ -227,6 +227,23 @@ async fn idle_keep_alive(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
     held
 }
 
+/// GET /health on an open keep-alive connection; asserts a 200 within 3 s.
+async fn health_on(c: &mut TcpStream) {
+    c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(3), c.read(&mut buf))
+        .await
+        .expect("answered")
+        .unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+}
+
 #[tokio::test]
 async fn at_the_cap_a_new_connection_takes_the_slot_of_the_quietest_idle_one() {
     let s = start_with(limits(|l| l.max_connections = 8)).await;
@@ -236,39 +253,14 @@ async fn at_the_cap_a_new_connection_takes_the_slot_of_the_quietest_idle_one() {
     let mut extras = Vec::new();
     for (round, quietest) in held.iter_mut().take(2).enumerate() {
         let mut extra = TcpStream::connect(s.addr).await.unwrap();
-        extra
-            .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
-        let mut buf = [0u8; 1024];
-        let n = tokio::time::timeout(Duration::from_secs(3), extra.read(&mut buf))
-            .await
-            .expect("answered")
-            .unwrap();
-        assert!(
-            buf[..n].starts_with(b"HTTP/1.1 200"),
-            "round {round}: {}",
-            String::from_utf8_lossy(&buf[..n])
-        );
+        health_on(&mut extra).await;
         extras.push(extra);
         let evicted = closed_within(quietest, Duration::from_secs(3)).await;
         assert_eq!(evicted.as_deref(), Some(&b""[..]), "round {round}");
     }
     // The rest are still open and serve requests.
     for c in &mut held[2..] {
-        c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
-        let mut buf = [0u8; 1024];
-        let n = tokio::time::timeout(Duration::from_secs(3), c.read(&mut buf))
-            .await
-            .expect("answered")
-            .unwrap();
-        assert!(
-            buf[..n].starts_with(b"HTTP/1.1 200"),
-            "{}",
-            String::from_utf8_lossy(&buf[..n])
-        );
+        health_on(c).await;
     }
     // Eight are open again, so the metrics client's connection is the
     // third to take an idle one's slot.
