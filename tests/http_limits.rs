@@ -215,11 +215,7 @@ async fn idle_keep_alive(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
     let mut held = Vec::new();
     for _ in 0..n {
         let mut c = TcpStream::connect(addr).await.unwrap();
-        c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
-        let mut buf = [0u8; 1024];
-        assert!(c.read(&mut buf).await.unwrap() > 0);
+        health_on(&mut c).await;
         held.push(c);
         // Distinct quiet times, so which one is quietest is defined.
         tokio::time::sleep(Duration::from_millis(20)).await;

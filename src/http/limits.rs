@@ -193,22 +193,29 @@ impl Activity {
         InFlight(Arc::clone(self))
     }
 
-    /// Since when the connection has done nothing, for eviction: `None`
-    /// while a request is in flight; else the start of a pending HTTP/1
-    /// head, or the later of the last request's end and the last write.
-    pub fn quiet_since(&self) -> Option<Instant> {
+    /// With no request in flight: since when an HTTP/1 request head has
+    /// been pending (`None` if none is), and since when the connection has
+    /// been quiet (the later of the last request's end and the last write).
+    fn idle(&self) -> Option<(Option<Ms>, Ms)> {
         if self.in_flight.load(Ordering::SeqCst) > 0 {
             return None;
         }
         let head_since = self.head_since.load(Ordering::Relaxed);
-        let t = if !self.is_http2() && head_since != 0 {
-            head_since
-        } else {
-            self.idle_since
-                .load(Ordering::Relaxed)
-                .max(self.last_write.load(Ordering::Relaxed))
-        };
-        Some(self.opened + Duration::from_millis(t))
+        // HTTP/2 has no head rule: its frames are bounded by the h2 codec.
+        let head = (!self.is_http2() && head_since != 0).then_some(head_since);
+        let quiet = self
+            .idle_since
+            .load(Ordering::Relaxed)
+            .max(self.last_write.load(Ordering::Relaxed));
+        Some((head, quiet))
+    }
+
+    /// Since when the connection has done nothing, for eviction: `None`
+    /// while a request is in flight; else the start of a pending HTTP/1
+    /// head, or the time it went quiet.
+    pub fn quiet_since(&self) -> Option<Instant> {
+        let (head, quiet) = self.idle()?;
+        Some(self.opened + Duration::from_millis(head.unwrap_or(quiet)))
     }
 
     pub fn is_http2(&self) -> bool {
@@ -217,22 +224,15 @@ impl Activity {
 
     /// The rules of the module doc, at `now` (ms since the connection opened).
     pub fn verdict(&self, now: Ms, limits: &HttpLimits, draining: bool) -> Verdict {
-        if self.in_flight.load(Ordering::SeqCst) > 0 {
+        let Some((head, quiet_since)) = self.idle() else {
             return Verdict::Keep;
-        }
+        };
         let since = |t: Ms| Duration::from_millis(now.saturating_sub(t));
-        let http2 = self.is_http2();
-        let head_since = self.head_since.load(Ordering::Relaxed);
-        // HTTP/2 has no head rule: its frames are bounded by the h2 codec.
-        let head_pending = !http2 && head_since != 0;
-        if head_pending && since(head_since) >= limits.header_read_timeout {
+        let head_pending = head.is_some();
+        if head.is_some_and(|h| since(h) >= limits.header_read_timeout) {
             return Verdict::HeaderTimeout;
         }
-        let quiet_since = self
-            .idle_since
-            .load(Ordering::Relaxed)
-            .max(self.last_write.load(Ordering::Relaxed));
-        if draining && (http2 || (!head_pending && since(quiet_since) >= DRAIN_QUIET)) {
+        if draining && (self.is_http2() || (!head_pending && since(quiet_since) >= DRAIN_QUIET)) {
             return Verdict::DrainClose;
         }
         if !head_pending && since(quiet_since) >= limits.idle_timeout {

@@ -185,18 +185,10 @@ pub(crate) fn prefetch_at(buckets: &[Node], i: usize) {
     if i >= buckets.len() {
         return;
     }
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetching is a hint that never faults, and `p` points into
-    // the live bucket array anyway.
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // A probe often reads the next bucket too: fetch its line, which is
-        // this line for three buckets of four (the prefetch then merges).
-        _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(1) as *const i8);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
+    // A probe often reads the next bucket too: fetch its line, which is
+    // this line for three buckets of four (the prefetch then merges).
+    prefetch_ptr(p);
+    prefetch_ptr(p.wrapping_add(1));
 }
 
 impl NodeTable {
