@@ -49,15 +49,6 @@ fn classify(b: &[u8], p: usize) -> [u64; 4] {
     m
 }
 
-/// The 8-byte window that ends at `b[e]` (a number's last digit) in the
-/// low half of an xmm register; needs `BEHIND <= e + 1` and `e < b.len()`.
-#[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
-fn window(b: &[u8], e: usize) -> __m128i {
-    debug_assert!(e + 1 >= 8 && e < b.len());
-    // SAFETY: e - 7 >= 0 and e + 1 <= b.len(): 8 bytes of `b`.
-    unsafe { _mm_loadl_epi64(b.as_ptr().add(e - 7) as *const __m128i) }
-}
-
 /// Byte order reversed within each 8-byte lane.
 static REVERSE: [u8; 32] = [
     7, 6, 5, 4, 3, 2, 1, 0, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 15, 14, 13, 12,
@@ -65,32 +56,36 @@ static REVERSE: [u8; 32] = [
 ];
 
 /// The next four numbers of 1 to 8 digits whose last digits are the lowest
-/// bits of `ends` (offsets from `p`; bits taken off), as two 4-digit values
-/// per 64-bit lane: the last four digits in the low dword, the four before
-/// them in the high dword. Lane k holds the 8 bytes ending at number k's
-/// last digit, reversed (last digit first); the bytes from the first
-/// non-digit on (the separator before the number and whatever precedes it)
-/// are zeroed, so the missing digits read as leading zeros; `maddubs`
-/// combines digit pairs and `madd` pairs of pairs. An exhausted mask gives
-/// offset 64: that lane reads the 8 bytes ending at `p + 64` (in bounds:
-/// MARGIN) and its value is junk the caller leaves out.
+/// bits of `ends` (bits taken off), as two 4-digit values per 64-bit lane:
+/// the last four digits in the low dword, the four before them in the high
+/// dword. `w` points 7 bytes before the step start, so `w + k` is the
+/// 8-byte window that ends at the step's byte k. Lane j holds the window
+/// that ends at number j's last digit, reversed (last digit first); the
+/// bytes from the first non-digit on (the separator before the number and
+/// whatever precedes it) are zeroed, so the missing digits read as leading
+/// zeros; `maddubs` combines digit pairs and `madd` pairs of pairs. An
+/// exhausted mask gives offset 64: that lane reads the 8 bytes ending at
+/// the step's byte 64 (in bounds: MARGIN) and its value is junk the caller
+/// leaves out.
+///
+/// # Safety
+/// `w + 7` is a step start `p` with `p >= BEHIND` and `p + MARGIN` within
+/// the body `w` points into.
 #[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
-fn quads4(b: &[u8], p: usize, ends: &mut u64) -> __m256i {
+unsafe fn quads4(w: *const u8, ends: &mut u64) -> __m256i {
     let mut e = [0usize; GROUP];
     for slot in e.iter_mut() {
-        *slot = p + ends.trailing_zeros() as usize;
+        *slot = ends.trailing_zeros() as usize;
         *ends &= ends.wrapping_sub(1);
     }
-    let pair = |x: usize, y: usize| {
-        debug_assert!(y + 1 >= 8 && y < b.len());
-        // SAFETY: as in `window`: y - 7 >= 0 and y + 1 <= b.len(), so the
-        // 8-byte load into the high half reads only bytes of `b`.
-        _mm_castpd_si128(unsafe {
-            _mm_loadh_pd(
-                _mm_castsi128_pd(window(b, x)),
-                b.as_ptr().add(y - 7) as *const f64,
-            )
-        })
+    // SAFETY: each offset is at most 64, so each 8-byte load reads
+    // p - 7 + offset .. p + offset + 1 <= p + MARGIN: bytes of the body
+    // (the caller's contract).
+    let pair = |x: usize, y: usize| unsafe {
+        _mm_castpd_si128(_mm_loadh_pd(
+            _mm_castsi128_pd(_mm_loadl_epi64(w.add(x) as *const __m128i)),
+            w.add(y) as *const f64,
+        ))
     };
     let lo = pair(e[0], e[1]);
     let hi = pair(e[2], e[3]);
@@ -179,9 +174,17 @@ pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize)
             // The first 12 numbers unconditionally: a count that varies
             // from step to step (about ten realistic ids per step) would
             // cost a mispredicted branch per step.
-            let q0 = quads4(b, p, &mut ends);
-            let q1 = quads4(b, p, &mut ends);
-            let q2 = quads4(b, p, &mut ends);
+            let w = b.as_ptr().wrapping_add(p - 7);
+            // SAFETY: `w + 7` is the step start p, p >= BEHIND (checked on
+            // entry; p only grows) and p + MARGIN <= b.len() (the loop
+            // condition): quads4's contract.
+            let (q0, q1, q2) = unsafe {
+                (
+                    quads4(w, &mut ends),
+                    quads4(w, &mut ends),
+                    quads4(w, &mut ends),
+                )
+            };
             let v01 = finish8(q0, q1);
             let v2 = _mm256_castsi256_si128(finish8(q2, q2));
             // SAFETY: slots base..base + 12 are reserved (SPARE >= 12);
@@ -192,8 +195,8 @@ pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize)
             }
             let mut k = 12;
             while k < n {
-                let q0 = quads4(b, p, &mut ends);
-                let q1 = quads4(b, p, &mut ends);
+                // SAFETY: as for the first twelve.
+                let (q0, q1) = unsafe { (quads4(w, &mut ends), quads4(w, &mut ends)) };
                 // SAFETY: k + 8 <= SPARE (k < n <= 32, k = 12 + 8j), reserved
                 // above; unaligned store.
                 unsafe { _mm256_storeu_si256(dst.add(k) as *mut __m256i, finish8(q0, q1)) };
