@@ -2,13 +2,14 @@
 //! (a 100k-token prompt at block size 16) as JSON i64s, in the same run and
 //! each into a buffer sized like the reply's (`json_out::i64_array_capacity`):
 //! serde_json's `collect_seq` (what the reply used before); an `itoa` +
-//! `extend_from_slice` loop (the baseline for a scalar writer);
-//! `json_out`'s portable path (what CPUs without AVX-512 run); and, where the
-//! CPU has the AVX-512 parts, `json_out::push_i64_array` (its vector path).
+//! `extend_from_slice` loop (the baseline for a scalar writer); and
+//! `json_out::push_i64_array` on every path this CPU has (`scalar`: the
+//! portable SWAR step; `avx2`; `avx512`), the paths `--simd` picks.
 //!
 //! Run: `cargo bench --bench reply`
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvselect::parse::NumberPath;
 use serde::Serialize;
 use std::hint::black_box;
 use std::time::Duration;
@@ -52,22 +53,17 @@ fn itoa_loop(out: &mut Vec<u8>, values: &[u64]) {
     out.push(b']');
 }
 
-/// Whether `push_i64_array` takes its AVX-512 path here.
-fn avx512() -> bool {
-    kvselect::parse::avx512_available()
-}
-
 fn bench(c: &mut Criterion) {
     let h = hashes();
     let mut a = Vec::new();
     serde_json::to_writer(&mut a, &AsI64(&h)).unwrap();
-    let mut b = Vec::new();
-    kvselect::json_out::push_i64_array(&mut b, &h);
-    assert_eq!(a, b, "the writers disagree");
-
-    let mut p = Vec::new();
-    kvselect::json_out::push_i64_array_portable(&mut p, &h);
-    assert_eq!(a, p, "the portable writer disagrees");
+    let paths = NumberPath::available();
+    eprintln!("json_out paths: {}", NumberPath::names(&paths));
+    for &(path, name) in &paths {
+        let mut b = Vec::new();
+        kvselect::json_out::push_i64_array(&mut b, &h, path);
+        assert_eq!(a, b, "the {name} writer disagrees");
+    }
     let mut t = Vec::new();
     itoa_loop(&mut t, &h);
     assert_eq!(a, t, "the itoa loop disagrees");
@@ -94,25 +90,14 @@ fn bench(c: &mut Criterion) {
             out
         })
     });
-    g.bench_with_input(
-        BenchmarkId::from_parameter("json_out_portable"),
-        &h,
-        |bch, h| {
-            bch.iter(|| {
-                let mut out = Vec::with_capacity(capacity);
-                kvselect::json_out::push_i64_array_portable(&mut out, black_box(h));
-                out
-            })
-        },
-    );
-    if avx512() {
+    for &(path, name) in &paths {
         g.bench_with_input(
-            BenchmarkId::from_parameter("json_out_push_i64_array_avx512"),
+            BenchmarkId::from_parameter(format!("json_out_{name}")),
             &h,
             |bch, h| {
                 bch.iter(|| {
                     let mut out = Vec::with_capacity(capacity);
-                    kvselect::json_out::push_i64_array(&mut out, black_box(h));
+                    kvselect::json_out::push_i64_array(&mut out, black_box(h), path);
                     out
                 })
             },

@@ -4,19 +4,19 @@
 //! per block (6,250 for a 100k-token prompt, ~125 KB of digits). serde_json
 //! formats each with `itoa` and appends it with a `memmove` call of its own;
 //! in the server that was ~8% of the request path. [`push_i64_array`] writes
-//! the same bytes into capacity reserved up front: on CPUs with the AVX-512
-//! parts the token parser uses, eight values at a time; elsewhere, and for a
-//! tail of fewer than eight, one value at a time with the portable SWAR step.
-//! Both split each magnitude into three parts below 10^8 (scalar: two
-//! divisions by a constant) and turn every part into eight ASCII digits in a
+//! the same bytes into capacity reserved up front: four values at a time
+//! where the request's [`NumberPath`] (`--simd`) has AVX2 (also the AVX-512
+//! path: an AVX-512 step with `vpcompressb` ran slower than the portable one,
+//! harness/README.md "Replies"), else one at a time with the portable SWAR
+//! step, which also writes a tail shorter than a group. Both split each
+//! magnitude into three parts below 10^8 (two scalar divisions by a
+//! constant, [`split`]) and turn every part into eight ASCII digits in a
 //! 64-bit word by three multiply-shift rounds: /10^4 into the two 32-bit
 //! halves, /100 into 16-bit lanes, /10 into bytes, plus `'0'` in every byte.
 //!
-//! The AVX-512 step does the digit rounds over eight values at once. Per
-//! value, a 32-byte slot holds a prefix (`,` and `-`) and its 24 digits,
-//! leading zeros included; a byte mask keeps the comma (not before the first
-//! value), the sign (negative values only) and the digits from the first
-//! non-zero one, and `vpcompressb` packs two slots into place per store.
+//! The AVX2 step does the rounds over the twelve parts of four values in
+//! three vectors (16-bit multiplies for the last two rounds), then writes
+//! each value's three digit words with the portable step's stores.
 //!
 //! The portable step does the digit rounds in a general-purpose register
 //! (SWAR: the lanes of one u64, kept apart by masks) and writes every piece
@@ -30,42 +30,55 @@
 //! branch on the width is predicted; there is no per-digit loop, no length
 //! lookup and no `memmove` call per value.
 
-// The AVX-512 and SWAR writers: target-feature intrinsics and raw stores into
+// The AVX2 and SWAR writers: target-feature intrinsics and raw stores into
 // reserved capacity.
 #![allow(unsafe_code)]
 
+use crate::parse::NumberPath;
+
 /// Appends `[v0,v1,...]`, each value written as the i64 it encodes (the wire
 /// form of block and sequence hashes); byte for byte serde_json's output.
-pub fn push_i64_array(out: &mut Vec<u8>, values: &[u64]) {
-    push_i64_array_on(out, values, true)
-}
-
-/// [`push_i64_array`] without the AVX-512 step, whatever the CPU: the
-/// portable path on its own, for `benches/reply.rs`.
-#[doc(hidden)]
-pub fn push_i64_array_portable(out: &mut Vec<u8>, values: &[u64]) {
-    push_i64_array_on(out, values, false)
-}
-
-/// [`push_i64_array`], with the AVX-512 step only if `vector` (and the CPU
-/// has it): the tests hold the two paths to each other.
-#[inline]
-fn push_i64_array_on(out: &mut Vec<u8>, values: &[u64], vector: bool) {
+/// `path` picks the vector step ([`NumberPath::effective`]); every path
+/// writes the same bytes.
+pub fn push_i64_array(out: &mut Vec<u8>, values: &[u64], path: NumberPath) {
     out.reserve(i64_array_capacity(values.len()));
     out.push(b'[');
-    let mut done = 0;
+    let done = vector_groups(out, values, path);
+    swar::push_values(out, &values[done..], done > 0);
+    out.push(b']');
+}
+
+/// Writes the whole groups at the start of `values` with `path`'s vector
+/// step, if it has one, and returns how many values it wrote.
+#[inline]
+fn vector_groups(out: &mut Vec<u8>, values: &[u64], path: NumberPath) -> usize {
     #[cfg(target_arch = "x86_64")]
     {
-        if vector && crate::parse::avx512_available() {
-            // SAFETY: the AVX-512 parts, BMI1, LZCNT and POPCNT were detected
-            // at run time.
-            done = unsafe { avx512::push_groups(out, values) };
+        match path.effective() {
+            // SAFETY: `effective` gives Avx2 only where AVX2, BMI1, LZCNT and
+            // POPCNT were detected at run time, and Avx512 only where those
+            // and the AVX-512 parts were.
+            NumberPath::Avx2 | NumberPath::Avx512 => unsafe { avx2::push_groups(out, values) },
+            NumberPath::Scalar | NumberPath::Auto => 0,
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = vector;
-    swar::push_values(out, &values[done..], done > 0);
-    out.push(b']');
+    {
+        let _ = (out, values, path);
+        0
+    }
+}
+
+/// A value's sign and the three parts of its magnitude (each < 10^8; the
+/// high one < 923), most significant first.
+#[inline(always)]
+fn split(v: u64) -> (bool, [u64; 3]) {
+    let v = v as i64;
+    let a = v.unsigned_abs();
+    let q = a / E8;
+    let lo = a - q * E8;
+    let hi = q / E8;
+    (v < 0, [hi, q - hi * E8, lo])
 }
 
 /// Longest element: a comma, a sign and 19 digits (i64::MIN).
@@ -76,132 +89,87 @@ const E8: u64 = 100_000_000;
 
 /// Bytes [`push_i64_array`] may need for `n` values (it reserves them): the
 /// longest elements, the brackets, and the room past the written length that
-/// the last store touches (the vector path's writes a whole 64 bytes, the
-/// portable path's up to 7 bytes past its value). Callers size their buffer
-/// with it.
+/// the last store touches (up to 7 bytes past its value). Callers size
+/// their buffer with it.
 pub fn i64_array_capacity(n: usize) -> usize {
-    n * MAX_ELEMENT + 2 + 64
+    n * MAX_ELEMENT + 2 + swar::OVERRUN
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::{E8, MAX_ELEMENT};
+mod avx2 {
+    use super::{split, swar, MAX_ELEMENT};
     use std::arch::x86_64::*;
 
     /// Values per step.
-    const GROUP: usize = 8;
+    const GROUP: usize = 4;
 
-    /// Qword indices for `vpermt2q`, per output vector j (slots 2j, 2j+1):
-    /// lanes 1/5 take the high parts' digits, lanes 2/6 the middle parts'
-    /// (index + 8: the second table), other lanes are overwritten.
-    static MID: [[i64; 8]; 4] = [
-        [0, 0, 8, 0, 0, 1, 9, 0],
-        [0, 2, 10, 0, 0, 3, 11, 0],
-        [0, 4, 12, 0, 0, 5, 13, 0],
-        [0, 6, 14, 0, 0, 7, 15, 0],
-    ];
-    /// Lanes 0/4 take the prefix (second table), lanes 3/7 the low parts.
-    static LOW: [[i64; 8]; 4] = [
-        [8, 0, 0, 0, 8, 0, 0, 1],
-        [8, 0, 0, 2, 8, 0, 0, 3],
-        [8, 0, 0, 4, 8, 0, 0, 5],
-        [8, 0, 0, 6, 8, 0, 0, 7],
-    ];
-    /// Lanes of an output vector that come from `LOW`'s permute.
-    const FROM_LOW: __mmask8 = 0b1001_1001;
-    /// A slot's prefix lane: `,` at byte 6, `-` at byte 7.
-    const PREFIX: i64 = ((b'-' as i64) << 56) | ((b',' as i64) << 48);
-    /// Bytes of a slot that hold digits of the value (the high part's first
-    /// four digits are always 0: it is below 1845).
-    const DIGITS: u32 = 0xFFFF_F000;
-
-    /// Eight ASCII digits of each 64-bit lane (< 10^8), most significant first
-    /// in memory: /10^4 into the two dwords, /100 into words, /10 into bytes
-    /// (all but the first with 16-bit multiplies, one micro-op each).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vbmi2,bmi1,lzcnt,popcnt")]
-    fn digits8(x: __m512i) -> __m512i {
-        // x / 10^4 == (x * 1759218605) >> 44 for x < 10^8 (checked
-        // exhaustively; it fails from about 3.15e9).
-        let q = _mm512_srli_epi64(_mm512_mul_epu32(x, _mm512_set1_epi64(1_759_218_605)), 44);
-        let r = _mm512_sub_epi64(x, _mm512_mul_epu32(q, _mm512_set1_epi64(10_000)));
-        let y = _mm512_or_si512(q, _mm512_slli_epi64(r, 32));
-        // Each dword is below 10^4, so its high word is 0: work on words.
-        // y / 100 == ((y * 5243) >> 16) >> 3 for y < 43699.
-        let q = _mm512_srli_epi16(_mm512_mulhi_epu16(y, _mm512_set1_epi16(5243)), 3);
-        let r = _mm512_sub_epi16(y, _mm512_mullo_epi16(q, _mm512_set1_epi16(100)));
-        let z = _mm512_or_si512(q, _mm512_slli_epi32(r, 16));
-        // z / 10 == (z * 103) >> 10 for z < 179.
-        let q = _mm512_srli_epi16(_mm512_mullo_epi16(z, _mm512_set1_epi16(103)), 10);
-        let r = _mm512_sub_epi16(z, _mm512_mullo_epi16(q, _mm512_set1_epi16(10)));
-        let d = _mm512_or_si512(q, _mm512_slli_epi16(r, 8));
-        _mm512_add_epi8(d, _mm512_set1_epi8(b'0' as i8))
+    /// [`swar::digits8`] of each 64-bit lane (< 10^8), the same three rounds
+    /// (the lane layout is the word's). The first round's multiplies take
+    /// the low dword (x < 2^32); the other two work on 16-bit lanes, since
+    /// every dword is then below 10^4 and every word below 100.
+    #[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
+    fn digits8(x: __m256i) -> __m256i {
+        // x / 10^4 == (x * 1759218605) >> 44 for x < 10^8.
+        let q = _mm256_srli_epi64(_mm256_mul_epu32(x, _mm256_set1_epi64x(1_759_218_605)), 44);
+        let r = _mm256_sub_epi64(x, _mm256_mul_epu32(q, _mm256_set1_epi64x(10_000)));
+        let y = _mm256_or_si256(q, _mm256_slli_epi64(r, 32));
+        // Each dword is below 10^4: y / 100 == ((y * 5243) >> 16) >> 3.
+        let q = _mm256_srli_epi16(_mm256_mulhi_epu16(y, _mm256_set1_epi16(5243)), 3);
+        let r = _mm256_sub_epi16(y, _mm256_mullo_epi16(q, _mm256_set1_epi16(100)));
+        let z = _mm256_or_si256(q, _mm256_slli_epi32(r, 16));
+        // Each word is below 100: z / 10 == (z * 103) >> 10.
+        let q = _mm256_srli_epi16(_mm256_mullo_epi16(z, _mm256_set1_epi16(103)), 10);
+        let r = _mm256_sub_epi16(z, _mm256_mullo_epi16(q, _mm256_set1_epi16(10)));
+        let d = _mm256_or_si256(q, _mm256_slli_epi16(r, 8));
+        _mm256_add_epi8(d, _mm256_set1_epi8(b'0' as i8))
     }
 
-    /// The byte mask of one slot: digits from the first non-zero one (the
-    /// last digit for 0), the sign, the comma.
-    #[inline(always)]
-    fn keep(nonzero: u32, negative: bool, comma: bool) -> u32 {
-        let nz = nonzero & DIGITS;
-        let first = if nz == 0 { 31 } else { nz.trailing_zeros() };
-        (u32::MAX << first) | ((negative as u32) << 7) | ((comma as u32) << 6)
+    /// [`digits8`] of four parts.
+    #[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
+    pub(super) fn words(parts: &[u64; GROUP]) -> [u64; GROUP] {
+        let mut w = [0u64; GROUP];
+        // SAFETY: a [u64; 4] is exactly one unaligned 256-bit load or store.
+        unsafe {
+            let x = _mm256_loadu_si256(parts.as_ptr() as *const __m256i);
+            _mm256_storeu_si256(w.as_mut_ptr() as *mut __m256i, digits8(x));
+        }
+        w
     }
 
-    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vbmi2,bmi1,lzcnt,popcnt")]
-    fn load(a: &[i64; 8]) -> __m512i {
-        // SAFETY: an [i64; 8] is exactly one unaligned 512-bit load.
-        unsafe { _mm512_loadu_si512(a.as_ptr() as *const _) }
-    }
-
-    /// Writes the whole groups of eight at the start of `values` (the first
+    /// Writes the whole groups of four at the start of `values` (the first
     /// without a comma: it follows the `[`) and returns how many it wrote.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vbmi2,bmi1,lzcnt,popcnt")]
+    #[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
     pub(super) unsafe fn push_groups(out: &mut Vec<u8>, values: &[u64]) -> usize {
         let groups = values.len() / GROUP;
-        // Each store writes 64 bytes and advances by at most two elements.
-        out.reserve(groups * GROUP * MAX_ELEMENT + 64);
+        out.reserve(groups * GROUP * MAX_ELEMENT + swar::OVERRUN);
         let base = out.len();
-        // SAFETY: the reserve above leaves room for every store below: the
-        // written length stays within groups * GROUP * MAX_ELEMENT, plus 64
-        // for the last store's full width.
-        let start = unsafe { out.as_mut_ptr().add(base) };
+        let start = out.spare_capacity_mut().as_mut_ptr().cast::<u8>();
         let mut dst = start;
-        let prefix = _mm512_set1_epi64(PREFIX);
-        let zero = _mm512_set1_epi8(b'0' as i8);
-        let mid = MID.map(|a| load(&a));
-        let low = LOW.map(|a| load(&a));
-        for g in 0..groups {
-            let vals = &values[g * GROUP..(g + 1) * GROUP];
-            let (mut hi, mut md, mut lo) = ([0i64; GROUP], [0i64; GROUP], [0i64; GROUP]);
+        for (g, vals) in values.chunks_exact(GROUP).enumerate() {
+            let mut parts = [[0u64; GROUP]; 3];
             let mut negative = [false; GROUP];
             for k in 0..GROUP {
-                let v = vals[k] as i64;
-                negative[k] = v < 0;
-                let a = v.unsigned_abs();
-                let q = a / E8;
-                lo[k] = (a - q * E8) as i64;
-                hi[k] = (q / E8) as i64;
-                md[k] = (q - (q / E8) * E8) as i64;
+                let (neg, [hi, md, lo]) = split(vals[k]);
+                negative[k] = neg;
+                (parts[0][k], parts[1][k], parts[2][k]) = (hi, md, lo);
             }
-            let hi = digits8(load(&hi));
-            let md = digits8(load(&md));
-            let lo = digits8(load(&lo));
-            for j in 0..GROUP / 2 {
-                let t = _mm512_permutex2var_epi64(hi, mid[j], md);
-                let u = _mm512_permutex2var_epi64(lo, low[j], prefix);
-                let slots = _mm512_mask_blend_epi64(FROM_LOW, t, u);
-                let nonzero = _mm512_cmpneq_epi8_mask(slots, zero);
-                let (a, b) = (2 * j, 2 * j + 1);
-                let m = keep(nonzero as u32, negative[a], g * GROUP + a > 0) as u64
-                    | (keep((nonzero >> 32) as u32, negative[b], true) as u64) << 32;
-                let packed = _mm512_maskz_compress_epi8(m, slots);
-                // SAFETY: within the reserved capacity (see above); unaligned.
-                unsafe {
-                    _mm512_storeu_si512(dst as *mut _, packed);
-                    dst = dst.add(m.count_ones() as usize);
-                }
+            let [hi, md, lo] = [words(&parts[0]), words(&parts[1]), words(&parts[2])];
+            for k in 0..GROUP {
+                let w = [hi[k], md[k], lo[k]];
+                // SAFETY: the reserve above holds groups * GROUP elements of
+                // at most MAX_ELEMENT bytes each, written in turn from
+                // `start`, plus the OVERRUN the last one's stores may reach.
+                dst = unsafe {
+                    if g == 0 && k == 0 {
+                        swar::put::<false>(dst, negative[k], w)
+                    } else {
+                        swar::put::<true>(dst, negative[k], w)
+                    }
+                };
             }
         }
-        // SAFETY: bytes base..base + (dst - start) were written above.
+        // SAFETY: bytes base..base + (dst - start) were written above, within
+        // the capacity.
         unsafe { out.set_len(base + dst.offset_from(start) as usize) };
         groups * GROUP
     }
@@ -210,7 +178,7 @@ mod avx512 {
 /// The portable writer: one value per step, digits by SWAR arithmetic in a
 /// u64, every piece an unconditional 8-byte store.
 mod swar {
-    use super::{E8, MAX_ELEMENT};
+    use super::{split, MAX_ELEMENT};
 
     /// `'0'` in every byte.
     const ZEROS: u64 = 0x3030_3030_3030_3030;
@@ -219,7 +187,7 @@ mod swar {
     const COMMA_MINUS: u64 = (b',' as u64) | (b'-' as u64) << 8;
     /// Bytes an element's last store may write past its end: an 8-byte
     /// store of a part of which at least one digit is kept.
-    const OVERRUN: usize = 7;
+    pub(super) const OVERRUN: usize = 7;
 
     /// Eight ASCII digits of `x` (< 10^8), most significant first in memory
     /// (byte 0 the lowest of the little-endian word), leading zeros included.
@@ -270,21 +238,20 @@ mod swar {
         unsafe { dst.cast::<u64>().write_unaligned(word.to_le()) }
     }
 
-    /// Writes one element (`,` first if `COMMA`) at `dst` and returns the
-    /// pointer past it. It is at most [`MAX_ELEMENT`] bytes long (20 without
-    /// the comma), and the stores reach at most [`OVERRUN`] bytes further.
+    /// Writes one element (`,` first if `COMMA`, `-` if `negative`) whose
+    /// magnitude's parts have the digit words `[hi, md, lo]` ([`digits8`]) at
+    /// `dst` and returns the pointer past it. It is at most [`MAX_ELEMENT`]
+    /// bytes long (20 without the comma), and the stores reach at most
+    /// [`OVERRUN`] bytes further.
     ///
     /// # Safety
     /// `dst..dst + MAX_ELEMENT + OVERRUN` is writable.
     #[inline(always)]
-    unsafe fn put<const COMMA: bool>(dst: *mut u8, v: u64) -> *mut u8 {
-        let v = v as i64;
-        let negative = v < 0;
-        let a = v.unsigned_abs();
-        let q = a / E8;
-        let lo = a - q * E8;
-        let hi = q / E8; // < 923
-        let md = q - hi * E8;
+    pub(super) unsafe fn put<const COMMA: bool>(
+        dst: *mut u8,
+        negative: bool,
+        [hi, md, lo]: [u64; 3],
+    ) -> *mut u8 {
         let (prefix, len) = if COMMA {
             (COMMA_MINUS, 1 + negative as usize)
         } else {
@@ -299,29 +266,37 @@ mod swar {
         unsafe {
             store(dst, prefix);
             let dst = dst.add(len);
-            if hi != 0 {
+            if hi != ZEROS {
                 // a >= 10^16: almost every hash.
-                let w = digits8(hi);
-                let z = leading_zeros(w);
-                store(dst, w >> (8 * z));
+                let z = leading_zeros(hi);
+                store(dst, hi >> (8 * z));
                 let dst = dst.add(8 - z);
-                store(dst, digits8(md));
-                store(dst.add(8), digits8(lo));
+                store(dst, md);
+                store(dst.add(8), lo);
                 dst.add(16)
-            } else if md != 0 {
-                let w = digits8(md);
-                let z = leading_zeros(w);
-                store(dst, w >> (8 * z));
+            } else if md != ZEROS {
+                let z = leading_zeros(md);
+                store(dst, md >> (8 * z));
                 let dst = dst.add(8 - z);
-                store(dst, digits8(lo));
+                store(dst, lo);
                 dst.add(8)
             } else {
-                let w = digits8(lo);
-                let z = leading_zeros(w);
-                store(dst, w >> (8 * z));
+                let z = leading_zeros(lo);
+                store(dst, lo >> (8 * z));
                 dst.add(8 - z)
             }
         }
+    }
+
+    /// [`put`] of a value (its parts' digits done here, one at a time).
+    ///
+    /// # Safety
+    /// As for [`put`].
+    #[inline(always)]
+    unsafe fn put_value<const COMMA: bool>(dst: *mut u8, v: u64) -> *mut u8 {
+        let (negative, parts) = split(v);
+        // SAFETY: the caller's bound.
+        unsafe { put::<COMMA>(dst, negative, parts.map(digits8)) }
     }
 
     /// Appends `values` as array elements, each after a comma except the
@@ -340,13 +315,13 @@ mod swar {
                 // + OVERRUN bytes, and each element (written in turn from
                 // `start`) takes at most MAX_ELEMENT of them; the last may
                 // write OVERRUN more.
-                dst = unsafe { put::<false>(dst, v) };
+                dst = unsafe { put_value::<false>(dst, v) };
                 rest = tail;
             }
         }
         for &v in rest {
             // SAFETY: as above.
-            dst = unsafe { put::<true>(dst, v) };
+            dst = unsafe { put_value::<true>(dst, v) };
         }
         // SAFETY: the elements were written to base..base + (dst - start),
         // within the capacity (above).
@@ -359,14 +334,11 @@ mod tests {
     use super::*;
 
     /// The writers this CPU really runs, each with its name: the portable
-    /// SWAR step always, the AVX-512 step only where the CPU has it.
-    fn paths() -> Vec<(bool, &'static str)> {
-        let mut p = vec![(false, "swar")];
-        if crate::parse::avx512_available() {
-            p.push((true, "avx512"));
-        }
-        let names: Vec<&str> = p.iter().map(|&(_, n)| n).collect();
-        eprintln!("json_out paths tested: {}", names.join(", "));
+    /// SWAR step always; AVX2 (which the AVX-512 path also takes) only
+    /// where the CPU has it (the paths of `--simd`).
+    fn paths() -> Vec<(NumberPath, &'static str)> {
+        let p = NumberPath::available();
+        eprintln!("json_out paths tested: {}", NumberPath::names(&p));
         p
     }
 
@@ -421,9 +393,9 @@ mod tests {
                         }
                     })
                     .collect();
-                for &(vector, name) in &paths {
+                for &(path, name) in &paths {
                     let mut out = b"{\"k\":".to_vec();
-                    push_i64_array_on(&mut out, &values, vector);
+                    push_i64_array(&mut out, &values, path);
                     assert_eq!(
                         String::from_utf8(out[5..].to_vec()).unwrap(),
                         String::from_utf8(serde(&values)).unwrap(),
@@ -433,14 +405,14 @@ mod tests {
             }
         }
         let big: Vec<u64> = (0..6_250).map(|_| random()).collect();
-        for &(vector, name) in &paths {
+        for &(path, name) in &paths {
             let mut out = Vec::new();
-            push_i64_array_on(&mut out, &big, vector);
+            push_i64_array(&mut out, &big, path);
             assert_eq!(out, serde(&big), "{name}");
         }
-        // The public entry point takes the widest path the CPU has.
+        // `auto`: the widest path the CPU has.
         let mut out = Vec::new();
-        push_i64_array(&mut out, &big);
+        push_i64_array(&mut out, &big, NumberPath::Auto);
         assert_eq!(out, serde(&big));
     }
 
@@ -462,6 +434,25 @@ mod tests {
             assert_eq!(word, u64::from_le_bytes(expected), "{x}");
             let zeros = expected.iter().take_while(|&&d| d == b'0').count();
             assert_eq!(swar::leading_zeros(word), zeros.min(7), "{x}");
+        }
+    }
+
+    /// The AVX2 step's digit rounds equal the SWAR ones for every input
+    /// (four lanes at a time, each lane's inputs in turn).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_digits8_exhaustive() {
+        if !crate::parse::avx2_available() {
+            eprintln!("no AVX2 on this CPU: the AVX2 digit rounds are not tested here");
+            return;
+        }
+        let step = if cfg!(debug_assertions) { 97 } else { 1 };
+        let quarter = E8 / 4;
+        for x in (0..quarter).step_by(step).chain(quarter - 1_000..quarter) {
+            let parts = [x, x + quarter, x + 2 * quarter, x + 3 * quarter];
+            // SAFETY: AVX2, BMI1, LZCNT and POPCNT were detected above.
+            let words = unsafe { avx2::words(&parts) };
+            assert_eq!(words, parts.map(swar::digits8), "{parts:?}");
         }
     }
 
@@ -504,27 +495,27 @@ mod tests {
                     }
                 })
                 .collect();
-            for &(vector, name) in &paths {
+            for &(path, name) in &paths {
                 let mut out = Vec::new();
-                push_i64_array_on(&mut out, &width, vector);
+                push_i64_array(&mut out, &width, path);
                 assert_eq!(out, serde(&width), "{name}, {digits} digits");
             }
             all.extend(width);
         }
         for &v in &all {
-            for &(vector, name) in &paths {
+            for &(path, name) in &paths {
                 let mut out = Vec::new();
-                push_i64_array_on(&mut out, &[v], vector);
+                push_i64_array(&mut out, &[v], path);
                 assert_eq!(out, serde(&[v]), "{name}, {}", v as i64);
             }
         }
         for i in (1..all.len()).rev() {
             all.swap(i, next() as usize % (i + 1));
         }
-        for &(vector, name) in &paths {
+        for &(path, name) in &paths {
             for chunk in all.chunks(97) {
                 let mut out = b"x".to_vec();
-                push_i64_array_on(&mut out, chunk, vector);
+                push_i64_array(&mut out, chunk, path);
                 assert_eq!(out[1..], serde(chunk), "{name}");
             }
         }

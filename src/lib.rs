@@ -18,7 +18,7 @@
 //! | `app` | one method per route: typed view in, typed reply out, errors as `ServiceError` | know HTTP or JSON |
 //! | `mesh` | the replica mesh (Dynamo's wire format, sequence numbers, repair, leases) and session affinity | sit on the request path beyond a queue push |
 //! | `metrics` | /metrics: Prometheus text of request, connection, ingest, index and ledger metrics | keep state of its own beyond counters |
-//! | `json_out` | i64 arrays of replies, byte for byte serde_json's (AVX-512, else portable SWAR) | allocate beyond its reserve |
+//! | `json_out` | i64 arrays of replies, byte for byte serde_json's (AVX-512, AVX2 or portable SWAR, as `--simd` chose) | allocate beyond its reserve |
 //! | `http` | accept loop, connection bounds and timeouts, drain, routing, 401/415/413/408, the one error -> status mapping | hold domain state |
 //! | `auth`, `tls` | bearer tokens (constant-time, reloadable); the rustls acceptor | know routes |
 //! | `shutdown` | SIGTERM/SIGINT: drain on the first, exit on the second | |

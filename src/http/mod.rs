@@ -31,7 +31,7 @@ use crate::app::{App, Selection, ServiceError};
 use crate::auth::{Auth, Verdict as AuthVerdict};
 use crate::ingest::Stale;
 use crate::metrics::{Metrics, Timeout};
-use crate::parse::{BodyStream, ParseError, SelectKind};
+use crate::parse::{BodyStream, NumberPath, ParseError, SelectKind};
 use crate::pool::{Pool, Pooled};
 use bytes::Bytes;
 use error::{error_body, HttpError};
@@ -470,7 +470,7 @@ impl Server {
                 let kind = SelectKind::Select;
                 let req = self.parse("select", || app.parser.select_stream(&body, kind))?;
                 let sel = app.select_queued(&req, kind).await?;
-                selection_reply(&sel)
+                selection_reply(&sel, app.parser.number_path)
             }
             ["select"] => not_allowed("POST"),
             ["select_and_reserve"] if post => {
@@ -478,7 +478,7 @@ impl Server {
                 let kind = SelectKind::SelectAndReserve;
                 let req = self.parse("select", || app.parser.select_stream(&body, kind))?;
                 let sel = app.select_queued(&req, kind).await?;
-                selection_reply(&sel)
+                selection_reply(&sel, app.parser.number_path)
             }
             ["select_and_reserve"] => not_allowed("POST"),
             ["reservations"] if post => {
@@ -659,10 +659,10 @@ impl From<(StatusCode, Vec<u8>)> for Reply {
 /// The selection's reply with its freshness headers:
 /// `x-kvselect-index-lag-ms` always, `x-kvselect-index-stale: true` when an
 /// advisory select was answered past the bound (`app/freshness.rs`).
-fn selection_reply(sel: &Selection) -> Routed {
+fn selection_reply(sel: &Selection, path: NumberPath) -> Routed {
     Ok(Reply {
         status: StatusCode::OK,
-        body: selection_json(sel),
+        body: selection_json(sel, path),
         index: Some((sel.index, sel.worker_stale)),
     })
 }
@@ -691,8 +691,9 @@ fn status_ok() -> Routed {
 
 /// A selection's JSON. `sequence_hashes`, by far the largest field, is
 /// written last by the fast array writer into capacity reserved up front
-/// (growing a 100 KB reply by doubling copies it several times).
-fn selection_json(sel: &Selection) -> Vec<u8> {
+/// (growing a 100 KB reply by doubling copies it several times), with the
+/// vector step `--simd` chose.
+fn selection_json(sel: &Selection, path: NumberPath) -> Vec<u8> {
     let hashes = sel.sequence_hashes.as_deref();
     let capacity = 512
         + sel.endpoint.len()
@@ -703,7 +704,7 @@ fn selection_json(sel: &Selection) -> Vec<u8> {
         debug_assert_eq!(body.last(), Some(&b'}'));
         body.pop();
         body.extend_from_slice(br#","sequence_hashes":"#);
-        crate::json_out::push_i64_array(&mut body, h);
+        crate::json_out::push_i64_array(&mut body, h, path);
         body.push(b'}');
     }
     body

@@ -162,12 +162,25 @@ impl NumberPath {
     /// The loop this path really runs on this CPU: `scalar`, `avx2` or
     /// `avx512` (`auto` and the quiet fall-backs resolved).
     pub fn effective_name(self) -> &'static str {
-        match self {
+        match self.effective() {
             NumberPath::Scalar => "scalar",
-            NumberPath::Avx2 if avx2_available() => "avx2",
-            NumberPath::Auto | NumberPath::Avx512 if avx512_available() => "avx512",
-            NumberPath::Auto | NumberPath::Avx512 if avx2_available() => "avx2",
-            _ => "scalar",
+            NumberPath::Avx2 => "avx2",
+            NumberPath::Auto | NumberPath::Avx512 => "avx512",
+        }
+    }
+
+    /// The path this one really is on this CPU: [`NumberPath::Scalar`],
+    /// [`NumberPath::Avx2`] only where AVX2 (with BMI1, LZCNT, POPCNT) was
+    /// detected, [`NumberPath::Avx512`] only where the AVX-512 parts were;
+    /// never `Auto`. The reply writer (`json_out`) follows it too, so a
+    /// forced path governs every vector loop of a request.
+    pub fn effective(self) -> NumberPath {
+        match self {
+            NumberPath::Scalar => NumberPath::Scalar,
+            NumberPath::Avx2 if avx2_available() => NumberPath::Avx2,
+            NumberPath::Auto | NumberPath::Avx512 if avx512_available() => NumberPath::Avx512,
+            NumberPath::Auto | NumberPath::Avx512 if avx2_available() => NumberPath::Avx2,
+            _ => NumberPath::Scalar,
         }
     }
 
