@@ -8,6 +8,11 @@
 //! /select calls of `--isl`-token prompts over one keep-alive connection.
 //! Server CPU comes from utime+stime in /proc/<pid>/stat.
 //!
+//! With `--pause-us N`, each body is written in `--piece`-byte pieces
+//! (default 64 KiB) with N µs between them, as a network link delivers it
+//! (64 KiB per 50 µs is about 10 Gbit/s); the report then also counts the
+//! server's worker parks (voluntary context switches) per request.
+//!
 //!     cargo build --release && cargo run --release --example select_cpu
 //!
 //! Last line: `select_cpu_ms_per_request=<n>`.
@@ -30,6 +35,8 @@ struct Args {
     prefix: usize,
     suffix_blocks: usize,
     path: String,
+    piece: usize,
+    pause_us: u64,
 }
 
 fn args() -> Args {
@@ -41,6 +48,8 @@ fn args() -> Args {
         prefix: 16_000,
         suffix_blocks: 256,
         path: "/select".into(),
+        piece: 64 * 1024,
+        pause_us: 0,
     };
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -54,6 +63,8 @@ fn args() -> Args {
             "--prefix" => a.prefix = x.parse().expect("--prefix"),
             "--suffix-blocks" => a.suffix_blocks = x.parse().expect("--suffix-blocks"),
             "--path" => a.path = x.clone(),
+            "--piece" => a.piece = x.parse().expect("--piece"),
+            "--pause-us" => a.pause_us = x.parse().expect("--pause-us"),
             other => panic!("unknown flag {other}"),
         }
         i += 2;
@@ -64,6 +75,9 @@ fn args() -> Args {
 struct Http {
     r: BufReader<TcpStream>,
     w: TcpStream,
+    /// Bodies written in pieces of this many bytes, this long apart.
+    piece: usize,
+    pause: Duration,
 }
 
 impl Http {
@@ -73,6 +87,8 @@ impl Http {
         Http {
             r: BufReader::new(s.try_clone().unwrap()),
             w: s,
+            piece: usize::MAX,
+            pause: Duration::ZERO,
         }
     }
 
@@ -82,7 +98,16 @@ impl Http {
             body.len()
         );
         self.w.write_all(head.as_bytes()).unwrap();
-        self.w.write_all(body).unwrap();
+        for (k, piece) in body.chunks(self.piece).enumerate() {
+            if k > 0 {
+                // A spin: sleeping has a granularity of tens of µs.
+                let t = Instant::now();
+                while t.elapsed() < self.pause {
+                    std::hint::spin_loop();
+                }
+            }
+            self.w.write_all(piece).unwrap();
+        }
         let mut line = String::new();
         self.r.read_line(&mut line).unwrap();
         let status: u16 = line
@@ -107,6 +132,25 @@ impl Http {
         self.r.read_exact(&mut buf).unwrap();
         (status, buf)
     }
+}
+
+/// Voluntary context switches of the server's HTTP worker threads: each is
+/// a park in `epoll_wait` with nothing to do.
+fn worker_parks(pid: u32) -> u64 {
+    let mut parks = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let dir = task.unwrap().path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if comm.trim() != "kvselect-worker" {
+            continue;
+        }
+        let status = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
+        parks += status
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .map_or(0, |v| v.trim().parse::<u64>().unwrap());
+    }
+    parks
 }
 
 fn cpu_ticks(pid: u32) -> u64 {
@@ -262,6 +306,11 @@ fn main() {
         let (st, resp) = http.call("POST", &a.path, b);
         assert_eq!(st, 200, "{}", String::from_utf8_lossy(&resp));
     }
+    if a.pause_us > 0 {
+        http.piece = a.piece;
+        http.pause = Duration::from_micros(a.pause_us);
+    }
+    let parks0 = worker_parks(pid);
     let ticks0 = cpu_ticks(pid);
     let wall0 = Instant::now();
     let mut lat = Vec::with_capacity(a.requests);
@@ -273,6 +322,7 @@ fn main() {
     }
     let wall = wall0.elapsed().as_secs_f64();
     let cpu_s = (cpu_ticks(pid) - ticks0) as f64 / clk_tck();
+    let parks = worker_parks(pid) - parks0;
     let _ = child.kill();
     let _ = child.wait();
     lat.sort_by(|x, y| x.partial_cmp(y).unwrap());
@@ -288,8 +338,15 @@ fn main() {
         percentile(&lat, 0.999)
     );
     println!(
-        "server_cpu_s={cpu_s:.3} req_per_s={:.0}",
-        a.requests as f64 / wall
+        "server_cpu_s={cpu_s:.3} req_per_s={:.0} worker_parks_per_request={:.1} body_pieces={} pause_us={}",
+        a.requests as f64 / wall,
+        parks as f64 / a.requests as f64,
+        if a.pause_us > 0 {
+            bodies[0].len().div_ceil(a.piece)
+        } else {
+            1
+        },
+        a.pause_us
     );
     println!(
         "select_cpu_ms_per_request={:.3}",
