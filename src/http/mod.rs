@@ -25,6 +25,7 @@
 
 pub mod error;
 pub mod limits;
+pub mod wake;
 
 use crate::app::freshness::Answered;
 use crate::app::{App, Selection, ServiceError};
@@ -56,6 +57,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use wake::{BodySocket, BodyWake};
 
 /// Idle body buffers kept per server.
 const BODY_POOL_BUFFERS: usize = 16;
@@ -254,15 +256,19 @@ impl Server {
         let activity = Arc::new(Activity::new());
         let reg = open.register(Arc::clone(&activity));
         let evict = &reg.conn.evict;
+        let socket = BodySocket::of(&stream);
         let io = Tracked::new(stream, Arc::clone(&activity));
         match &self.tls {
-            None => self.drive(io, peer, activity, evict, drain, abort).await,
+            None => {
+                self.drive(io, Some(socket), peer, activity, evict, drain, abort)
+                    .await
+            }
             Some(acceptor) => {
                 let handshake =
                     tokio::time::timeout(self.limits.header_read_timeout, acceptor.accept(io));
                 tokio::select! {
                     r = handshake => match r {
-                        Ok(Ok(tls)) => self.drive(tls, peer, activity, evict, drain, abort).await,
+                        Ok(Ok(tls)) => self.drive(tls, None, peer, activity, evict, drain, abort).await,
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                         Err(_) => self.metrics.timeout(Timeout::Header),
                     },
@@ -274,10 +280,14 @@ impl Server {
         self.metrics.connection_closed();
     }
 
-    /// Serves one connection under the watchdog of `limits.rs`.
+    /// Serves one connection under the watchdog of `limits.rs`; `socket`
+    /// is its TCP socket when `io` is that socket itself (no TLS), for the
+    /// bodies' low-water mark (`wake.rs`).
+    #[allow(clippy::too_many_arguments)]
     async fn drive<S>(
         self: &Arc<Self>,
         io: S,
+        socket: Option<BodySocket>,
         peer: SocketAddr,
         activity: Arc<Activity>,
         evict: &tokio::sync::Notify,
@@ -289,7 +299,8 @@ impl Server {
         let service = {
             let server = Arc::clone(self);
             let activity = Arc::clone(&activity);
-            hyper::service::service_fn(move |req: Request<Incoming>| {
+            hyper::service::service_fn(move |mut req: Request<Incoming>| {
+                BodySocket::tag(&mut req, socket);
                 let in_flight = activity.begin(req.version() == Version::HTTP_2);
                 let server = Arc::clone(&server);
                 async move {
@@ -589,7 +600,8 @@ impl Server {
     async fn body_stream(&self, req: Request<Incoming>) -> Result<BodyStream, HttpError> {
         let limit = self.body_head(&req)?;
         let mut stream = self.app.parser.stream();
-        self.read_frames(req.into_body(), limit, |data| stream.feed(data))
+        let wake = BodyWake::new(&req);
+        self.read_frames(req.into_body(), limit, wake, |data| stream.feed(data))
             .await?;
         Ok(stream)
     }
@@ -599,17 +611,22 @@ impl Server {
         let limit = self.body_head(&req)?;
         // Grows with what arrives (Vec doubling), never with `declared`.
         let mut buf = self.bodies.take();
-        self.read_frames(req.into_body(), limit, |data| buf.extend_from_slice(&data))
-            .await?;
+        let wake = BodyWake::new(&req);
+        self.read_frames(req.into_body(), limit, wake, |data| {
+            buf.extend_from_slice(&data)
+        })
+        .await?;
         Ok(buf)
     }
 
     /// Hands each data frame of `body` to `sink` as it arrives: 413 past
-    /// `limit` bytes, 408 past `--body-read-timeout-secs`.
+    /// `limit` bytes, 408 past `--body-read-timeout-secs`. `wake` keeps the
+    /// socket's low-water mark at the bytes still to come (`wake.rs`).
     async fn read_frames(
         &self,
         mut body: Incoming,
         limit: usize,
+        mut wake: BodyWake,
         mut sink: impl FnMut(Bytes),
     ) -> Result<(), HttpError> {
         let read = async {
@@ -622,6 +639,7 @@ impl Server {
                         return Err(HttpError::PayloadTooLarge);
                     }
                     sink(data);
+                    wake.taken(len);
                 }
             }
             Ok(())
