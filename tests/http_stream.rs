@@ -148,6 +148,7 @@ fn bodies_sent_in_small_pieces_get_the_whole_body_answers() {
 
 /// Voluntary context switches of the server's HTTP worker threads: each is
 /// a park in `epoll_wait` with nothing to do.
+#[cfg(target_os = "linux")]
 fn worker_parks(pid: i32) -> u64 {
     let mut parks = 0;
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
@@ -167,6 +168,7 @@ fn worker_parks(pid: i32) -> u64 {
 
 /// One response on a keep-alive connection: the head, then Content-Length
 /// bytes of body.
+#[cfg(target_os = "linux")]
 fn read_response(s: &mut TcpStream) -> RawResponse {
     let mut raw = Vec::new();
     let mut byte = [0u8; 1];
@@ -181,6 +183,7 @@ fn read_response(s: &mut TcpStream) -> RawResponse {
     RawResponse { body, ..head }
 }
 
+#[cfg(target_os = "linux")]
 fn keep_alive_head(path: &str, len: usize) -> String {
     format!(
         "POST {path} HTTP/1.1\r\nHost: kvselect\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
@@ -192,6 +195,7 @@ fn keep_alive_head(path: &str, len: usize) -> String {
 /// receive low-water mark, `src/http/wake.rs`). The mark goes back to
 /// 1 after each body: a small request on the same keep-alive connection is
 /// answered at once, and so is one written straight after a large body.
+#[cfg(target_os = "linux")]
 #[test]
 fn a_large_body_wakes_the_server_when_it_is_all_there() {
     let b = Binary::start(&["--http-threads", "1"]);

@@ -17,7 +17,10 @@
 //! over everything it has buffered of the body with each frame and reads
 //! the socket again only after the frame is taken, so once a frame is taken
 //! the socket has at least Content-Length minus the bytes taken still to
-//! come. A mark above that would leave the request waiting for its body
+//! come. That holds because the handler reads its body inside hyper's
+//! connection task (hyper polls the service future inline), so nothing
+//! reads the socket between taking a frame and setting the mark; a handler
+//! that read its body from a spawned task would break it. A mark above that would leave the request waiting for its body
 //! timeout, so the mark is set only where that count holds: HTTP/1 over
 //! plain TCP (TLS reads ahead into its own buffers; HTTP/2 multiplexes
 //! streams on one socket), never before the first frame, and it goes back
@@ -25,7 +28,11 @@
 //! other way ([`Drop`]), before hyper reads the next request.
 //!
 //! The cost is one `setsockopt` per frame while at least [`MIN_MARK`] bytes
-//! are still to come.
+//! are still to come. Where Linux grows the receive buffer for a mark it
+//! also clamps the advertised window to the mark (256 KiB) until its
+//! buffer autotuning raises both again: ample within a data centre (10
+//! Gbit/s at 100 µs round trip is 125 KB in flight), a limit across a long,
+//! fast link.
 
 // setsockopt(SO_RCVLOWAT) on the connection's socket: one libc call with its
 // SAFETY note.
@@ -109,7 +116,10 @@ impl BodyWake {
         };
         let rest = self.declared.saturating_sub(taken as u64);
         if rest >= MIN_MARK {
-            self.raised = set_mark(socket, rest.min(MAX_MARK));
+            // A failed call leaves the mark as it was: still raised, if it was.
+            if set_mark(socket, rest.min(MAX_MARK)) {
+                self.raised = true;
+            }
         } else if self.raised {
             set_mark(socket, 1);
             self.raised = false;
