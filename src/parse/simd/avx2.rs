@@ -113,6 +113,41 @@ fn finish8(a: __m256i, c: __m256i) -> __m256i {
     _mm256_permute4x64_epi64::<0xD8>(v)
 }
 
+/// The exact conversion of a part that holds a number of more than 8
+/// digits or a leading zero (rare: out of line, so that the common path
+/// keeps its registers): each number in order into `dst`, or, at the first
+/// that is not a u32 without a leading zero, `Err((numbers written, its
+/// position))`.
+///
+/// # Safety
+/// `dst` has room for one slot per bit of `starts`; `p + MARGIN <= b.len()`.
+#[cold]
+#[inline(never)]
+unsafe fn exact_part(
+    b: &[u8],
+    p: usize,
+    starts: u64,
+    digit: u64,
+    dst: *mut u32,
+) -> Result<(), (usize, usize)> {
+    let mut rest = starts;
+    let mut k = 0;
+    while rest != 0 {
+        let at = rest.trailing_zeros() as usize;
+        rest &= rest - 1;
+        let q = p + at;
+        let len = (!digit >> at).trailing_zeros() as usize;
+        // q + 10 <= p + MARGIN <= b.len() for digits_value.
+        let Some(value) = exact_u32(b, q, len) else {
+            return Err((k, q));
+        };
+        // SAFETY: k < starts.count_ones(), within the caller's room.
+        unsafe { dst.add(k).write(value) };
+        k += 1;
+    }
+    Ok(())
+}
+
 /// Each step classifies the 64 bytes at an element start `p` and keeps the
 /// part up to the last comma before the first byte that breaks the shape:
 /// every number in it is complete and followed by `,` or `, `. Each number's
@@ -205,22 +240,11 @@ pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize)
         } else {
             // Exact, in order: the first element of another shape ends the
             // run with the elements before it kept.
-            let mut rest = starts;
-            let mut k = 0;
-            while rest != 0 {
-                let at = rest.trailing_zeros() as usize;
-                rest &= rest - 1;
-                let q = p + at;
-                let len = (!digit >> at).trailing_zeros() as usize;
-                // q + 10 <= p + MARGIN <= b.len() for digits_value.
-                let Some(value) = exact_u32(b, q, len) else {
-                    // SAFETY: slots base..base + k were written below.
-                    unsafe { out.set_len(base + k) };
-                    return q;
-                };
-                // SAFETY: k < n <= SLOTS, reserved above.
-                unsafe { dst.add(k).write(value) };
-                k += 1;
+            // SAFETY: slots base..base + n are reserved (n <= SLOTS <= SPARE).
+            if let Err((k, q)) = unsafe { exact_part(b, p, starts, digit, dst) } {
+                // SAFETY: exact_part wrote slots base..base + k.
+                unsafe { out.set_len(base + k) };
+                return q;
             }
         }
         // SAFETY: slots base..base + n were written above.
