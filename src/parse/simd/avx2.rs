@@ -4,7 +4,7 @@
 // Target-feature intrinsics and raw stores into reserved capacity.
 #![allow(unsafe_code)]
 
-use super::exact_u32;
+use super::exact_part;
 use std::arch::x86_64::*;
 
 /// Bytes classified per step (one bit each in a u64 mask).
@@ -111,41 +111,6 @@ fn finish8(a: __m256i, c: __m256i) -> __m256i {
     // Per 128-bit half: a's two numbers, then c's two.
     let v = _mm256_madd_epi16(_mm256_packus_epi32(a, c), _mm256_set1_epi32(0x2710_0001));
     _mm256_permute4x64_epi64::<0xD8>(v)
-}
-
-/// The exact conversion of a part that holds a number of more than 8
-/// digits or a leading zero (rare: out of line, so that the common path
-/// keeps its registers): each number in order into `dst`, or, at the first
-/// that is not a u32 without a leading zero, `Err((numbers written, its
-/// position))`.
-///
-/// # Safety
-/// `dst` has room for one slot per bit of `starts`; `p + MARGIN <= b.len()`.
-#[cold]
-#[inline(never)]
-unsafe fn exact_part(
-    b: &[u8],
-    p: usize,
-    starts: u64,
-    digit: u64,
-    dst: *mut u32,
-) -> Result<(), (usize, usize)> {
-    let mut rest = starts;
-    let mut k = 0;
-    while rest != 0 {
-        let at = rest.trailing_zeros() as usize;
-        rest &= rest - 1;
-        let q = p + at;
-        let len = (!digit >> at).trailing_zeros() as usize;
-        // q + 10 <= p + MARGIN <= b.len() for digits_value.
-        let Some(value) = exact_u32(b, q, len) else {
-            return Err((k, q));
-        };
-        // SAFETY: k < starts.count_ones(), within the caller's room.
-        unsafe { dst.add(k).write(value) };
-        k += 1;
-    }
-    Ok(())
 }
 
 /// Each step classifies the 64 bytes at an element start `p` and keeps the

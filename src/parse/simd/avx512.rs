@@ -20,7 +20,7 @@
 // Target-feature intrinsics and raw stores into reserved capacity.
 #![allow(unsafe_code)]
 
-use super::exact_u32;
+use super::exact_part;
 use std::arch::x86_64::*;
 
 /// Bytes loaded per step (one bit each in a u64 mask).
@@ -160,22 +160,11 @@ pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize)
         } else {
             // Exact, in order: the first element of another shape ends
             // the run with the elements before it kept.
-            let mut rest = starts;
-            let mut k = 0;
-            while rest != 0 {
-                let at = rest.trailing_zeros() as usize;
-                rest &= rest - 1;
-                let q = p + at;
-                let len = (!digit >> at).trailing_zeros() as usize;
-                // q + 10 <= p + MARGIN <= b.len() for digits_value.
-                let Some(value) = exact_u32(b, q, len) else {
-                    // SAFETY: slots base..base + k were written below.
-                    unsafe { out.set_len(base + k) };
-                    return q;
-                };
-                // SAFETY: k < n <= SLOTS, reserved above.
-                unsafe { dst.add(k).write(value) };
-                k += 1;
+            // SAFETY: slots base..base + n are reserved (n <= SLOTS).
+            if let Err((k, q)) = unsafe { exact_part(b, p, starts, digit, dst) } {
+                // SAFETY: exact_part wrote slots base..base + k.
+                unsafe { out.set_len(base + k) };
+                return q;
             }
         }
         // SAFETY: slots base..base + n were written above.
