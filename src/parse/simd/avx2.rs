@@ -31,14 +31,15 @@ fn classify(b: &[u8], p: usize) -> [u64; 4] {
     let zero_c = _mm256_set1_epi8(b'0' as i8);
     let comma_c = _mm256_set1_epi8(b',' as i8);
     let space_c = _mm256_set1_epi8(b' ' as i8);
-    let nine = _mm256_set1_epi8(9);
+    let shift = _mm256_set1_epi8(0x50);
+    let low = _mm256_set1_epi8(-118);
     let mut m = [0u64; 4];
     for half in 0..BLOCK / 32 {
         // SAFETY: p + BLOCK <= b.len() (the caller checks p + MARGIN <=
         // b.len()), so each unaligned 32-byte load reads only bytes of `b`.
         let v = unsafe { _mm256_loadu_si256(b.as_ptr().add(p + 32 * half) as *const __m256i) };
-        let t = _mm256_sub_epi8(v, zero_c);
-        let digit = _mm256_cmpeq_epi8(_mm256_min_epu8(t, nine), t);
+        // '0'..='9' + 0x50 are exactly the signed bytes -128..=-119.
+        let digit = _mm256_cmpgt_epi8(low, _mm256_add_epi8(v, shift));
         let sh = 32 * half as u32;
         let mask = |x| (_mm256_movemask_epi8(x) as u32 as u64) << sh;
         m[0] |= mask(digit);
