@@ -86,6 +86,24 @@ async fn a_session_that_keeps_its_worker_makes_no_move() {
     assert_eq!(served.iter().filter(|&&b| b > 0).count(), 1, "{served:?}");
 }
 
+/// Frees (`DELETE /reservations/{id}`) the server has answered, from its
+/// /metrics.
+async fn frees_answered(c: &mut kvselect_harness::http::HttpConn) -> u64 {
+    let status = c
+        .request("GET", "/metrics", None, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    String::from_utf8_lossy(c.body())
+        .lines()
+        .filter(|l| {
+            l.starts_with("kvselect_http_requests_total{")
+                && l.contains("route=\"/reservations/{selection_id}\"")
+        })
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap() as u64)
+        .sum()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_whose_worker_is_removed_moves_once() {
     let server = common::start().await;
@@ -96,23 +114,23 @@ async fn a_session_whose_worker_is_removed_moves_once() {
     let removed = Arc::new(AtomicU64::new(0));
     let forcing = {
         let (mocker, removed) = (Arc::clone(&mocker), Arc::clone(&removed));
-        let app = Arc::clone(&server.app);
         let addr = server.addr;
         tokio::spawn(async move {
             // After a few turns, right after one ends (its booking freed:
             // the session has just begun its 250 ms pause), remove the
-            // worker holding the session's cache.
+            // worker holding the session's cache. A turn ends with its free
+            // (`DELETE /reservations/{id}`), and a booking lives for less
+            // than a millisecond, so the signal is the frees answered (a
+            // count, which a poll cannot miss), not the bookings held.
             tokio::time::sleep(Duration::from_millis(1200)).await;
-            for booked in [true, false] {
-                // Polled every millisecond: a turn books for a few only.
-                let deadline = std::time::Instant::now() + Duration::from_secs(20);
-                while (app.ledger.stats().bookings > 0) != booked {
-                    assert!(
-                        std::time::Instant::now() < deadline,
-                        "never saw bookings > 0 == {booked}"
-                    );
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
+            let mut m = kvselect_harness::http::HttpConn::connect(&addr.to_string())
+                .await
+                .unwrap();
+            let before = frees_answered(&mut m).await;
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            while frees_answered(&mut m).await == before {
+                assert!(std::time::Instant::now() < deadline, "no turn ended");
+                tokio::time::sleep(Duration::from_millis(1)).await;
             }
             let w = (1..=2u64)
                 .max_by_key(|&w| mocker.cached_blocks(w).unwrap())
