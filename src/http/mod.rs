@@ -576,8 +576,9 @@ impl Server {
         }
     }
 
-    /// Checks Content-Type and a declared Content-Length against the limit.
-    fn body_head(&self, req: &Request<Incoming>) -> Result<usize, HttpError> {
+    /// Checks Content-Type and a declared Content-Length against the limit;
+    /// the limit, and the body's low-water mark (`wake.rs`).
+    fn body_head(&self, req: &Request<Incoming>) -> Result<(usize, BodyWake), HttpError> {
         if !is_json(req.headers().get(CONTENT_TYPE)) {
             return Err(HttpError::UnsupportedMediaType);
         }
@@ -590,7 +591,7 @@ impl Server {
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(HttpError::PayloadTooLarge);
         }
-        Ok(limit)
+        Ok((limit, BodyWake::new(req, declared)))
     }
 
     /// A prompt body, fed to the parser's streamed front frame by frame as
@@ -598,9 +599,8 @@ impl Server {
     /// frame is in cache and the body is not copied whole. Same checks,
     /// limit and timeout as [`Server::body`].
     async fn body_stream(&self, req: Request<Incoming>) -> Result<BodyStream, HttpError> {
-        let limit = self.body_head(&req)?;
+        let (limit, wake) = self.body_head(&req)?;
         let mut stream = self.app.parser.stream();
-        let wake = BodyWake::new(&req);
         self.read_frames(req.into_body(), limit, wake, |data| stream.feed(data))
             .await?;
         Ok(stream)
@@ -608,10 +608,9 @@ impl Server {
 
     /// Checks Content-Type, then reads the body within the limit.
     async fn body(&self, req: Request<Incoming>) -> Result<Pooled<u8>, HttpError> {
-        let limit = self.body_head(&req)?;
+        let (limit, wake) = self.body_head(&req)?;
         // Grows with what arrives (Vec doubling), never with `declared`.
         let mut buf = self.bodies.take();
-        let wake = BodyWake::new(&req);
         self.read_frames(req.into_body(), limit, wake, |data| {
             buf.extend_from_slice(&data)
         })

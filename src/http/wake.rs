@@ -39,7 +39,6 @@
 #![allow(unsafe_code)]
 
 use hyper::body::Incoming;
-use hyper::header::CONTENT_LENGTH;
 use hyper::{Request, Version};
 
 /// Below this many bytes still to come, the mark is left at 1: one more
@@ -93,14 +92,9 @@ pub struct BodyWake {
 }
 
 impl BodyWake {
-    /// For `req`'s body: active only for a tagged request with a declared
-    /// Content-Length.
-    pub fn new(req: &Request<Incoming>) -> BodyWake {
-        let declared = req
-            .headers()
-            .get(CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
+    /// For `req`'s body, whose Content-Length is `declared`: active only
+    /// for a tagged request with one.
+    pub fn new(req: &Request<Incoming>, declared: Option<u64>) -> BodyWake {
         let socket = req.extensions().get::<BodySocket>().copied();
         BodyWake {
             socket: socket.filter(|_| declared.is_some()),
