@@ -8,12 +8,40 @@ use crate::config::Config;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+/// The name of the runtime's threads (the HTTP workers), as `/proc` shows it.
+pub const WORKER_THREAD: &str = "kvselect-worker";
+
+/// Voluntary context switches of process `pid`'s HTTP worker threads, from
+/// `/proc`: each is a park in `epoll_wait` with nothing to do. For tests and
+/// the harness (`select_cpu`).
+#[cfg(all(target_os = "linux", any(test, feature = "testkit")))]
+pub fn worker_parks(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    let mut parks = 0;
+    for task in tasks.flatten() {
+        let dir = task.path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if comm.trim() != WORKER_THREAD {
+            continue;
+        }
+        let status = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
+        parks += status
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    parks
+}
+
 /// Builds a multi-threaded runtime. With `--cores`, worker thread *i* is pinned
 /// to core `cores[i % cores.len()]`.
 pub fn build(config: &Config) -> std::io::Result<tokio::runtime::Runtime> {
     let mut b = tokio::runtime::Builder::new_multi_thread();
     b.worker_threads(config.threads)
-        .thread_name("kvselect-worker")
+        .thread_name(WORKER_THREAD)
         .enable_all();
     if let Some(cores) = config.cores.clone() {
         let available: Vec<usize> = core_affinity::get_core_ids()

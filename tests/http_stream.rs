@@ -146,26 +146,6 @@ fn bodies_sent_in_small_pieces_get_the_whole_body_answers() {
     }
 }
 
-/// Voluntary context switches of the server's HTTP worker threads: each is
-/// a park in `epoll_wait` with nothing to do.
-#[cfg(target_os = "linux")]
-fn worker_parks(pid: i32) -> u64 {
-    let mut parks = 0;
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
-        let dir = task.unwrap().path();
-        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-        if comm.trim() != "kvselect-worker" {
-            continue;
-        }
-        let status = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
-        parks += status
-            .lines()
-            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
-            .map_or(0, |v| v.trim().parse::<u64>().unwrap());
-    }
-    parks
-}
-
 /// One response on a keep-alive connection: the head, then Content-Length
 /// bytes of body.
 #[cfg(target_os = "linux")]
@@ -220,7 +200,7 @@ fn a_large_body_wakes_the_server_when_it_is_all_there() {
     assert!(pieces >= 10, "{pieces}");
     let mut parks = Vec::new();
     for _ in 0..3 {
-        let before = worker_parks(b.pid());
+        let before = kvselect::runtime::worker_parks(b.pid() as u32);
         s.write_all(keep_alive_head("/potential_loads", valid.len()).as_bytes())
             .unwrap();
         for piece in valid.chunks(65_536) {
@@ -228,7 +208,7 @@ fn a_large_body_wakes_the_server_when_it_is_all_there() {
             std::thread::sleep(Duration::from_millis(5));
         }
         let r = read_response(&mut s);
-        parks.push(worker_parks(b.pid()) - before);
+        parks.push(kvselect::runtime::worker_parks(b.pid() as u32) - before);
         assert_eq!((r.status, text(&r)), (whole.status, text(&whole)));
         s.write_all(keep_alive_head("/potential_loads", small.len()).as_bytes())
             .unwrap();

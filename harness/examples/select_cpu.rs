@@ -134,25 +134,6 @@ impl Http {
     }
 }
 
-/// Voluntary context switches of the server's HTTP worker threads: each is
-/// a park in `epoll_wait` with nothing to do.
-fn worker_parks(pid: u32) -> u64 {
-    let mut parks = 0;
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
-        let dir = task.unwrap().path();
-        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-        if comm.trim() != "kvselect-worker" {
-            continue;
-        }
-        let status = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
-        parks += status
-            .lines()
-            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
-            .map_or(0, |v| v.trim().parse::<u64>().unwrap());
-    }
-    parks
-}
-
 fn cpu_ticks(pid: u32) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
     let after = &s[s.rfind(')').unwrap() + 2..];
@@ -310,7 +291,7 @@ fn main() {
         http.piece = a.piece;
         http.pause = Duration::from_micros(a.pause_us);
     }
-    let parks0 = worker_parks(pid);
+    let parks0 = kvselect::runtime::worker_parks(pid);
     let ticks0 = cpu_ticks(pid);
     let wall0 = Instant::now();
     let mut lat = Vec::with_capacity(a.requests);
@@ -322,7 +303,7 @@ fn main() {
     }
     let wall = wall0.elapsed().as_secs_f64();
     let cpu_s = (cpu_ticks(pid) - ticks0) as f64 / clk_tck();
-    let parks = worker_parks(pid) - parks0;
+    let parks = kvselect::runtime::worker_parks(pid) - parks0;
     let _ = child.kill();
     let _ = child.wait();
     lat.sort_by(|x, y| x.partial_cmp(y).unwrap());
