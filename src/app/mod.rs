@@ -63,6 +63,8 @@ pub enum ServiceError {
     UnknownRank(String),
     /// The request names a reservation or pending selection that is not there.
     UnknownSelection(String),
+    /// The request names a replica-mesh peer that is not registered.
+    UnknownPeer(String),
     /// The selection id is already booked, or being booked.
     AlreadyReserved(String),
     /// A replica-sync call on a service that runs no replica mesh.
@@ -88,6 +90,7 @@ impl std::fmt::Display for ServiceError {
             | ServiceError::UnknownWorker(m)
             | ServiceError::UnknownRank(m)
             | ServiceError::UnknownSelection(m)
+            | ServiceError::UnknownPeer(m)
             | ServiceError::AlreadyReserved(m)
             | ServiceError::Busy(m) => f.write_str(m),
             ServiceError::NoCandidates => f.write_str("no endpoints available to route work"),
@@ -286,9 +289,7 @@ impl App {
         if m.deregister_peer(endpoint) {
             Ok(())
         } else {
-            // A 404 like an unknown reservation (no variant of its own, so
-            // that every binding's error mapping stays as it is).
-            Err(ServiceError::UnknownSelection("peer not found".into()))
+            Err(ServiceError::UnknownPeer("peer not found".into()))
         }
     }
 

@@ -64,7 +64,8 @@ impl HttpError {
                 ServiceError::NoCandidates => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
                 ServiceError::UnknownWorker(m)
                 | ServiceError::UnknownRank(m)
-                | ServiceError::UnknownSelection(m) => (StatusCode::NOT_FOUND, m.clone()),
+                | ServiceError::UnknownSelection(m)
+                | ServiceError::UnknownPeer(m) => (StatusCode::NOT_FOUND, m.clone()),
                 ServiceError::AlreadyReserved(m) => (StatusCode::CONFLICT, m.clone()),
                 ServiceError::ReplicaSyncDisabled => (StatusCode::CONFLICT, e.to_string()),
                 ServiceError::Busy(m) => (StatusCode::TOO_MANY_REQUESTS, m.clone()),
