@@ -329,12 +329,24 @@ fn state_registry(app: &App) -> Registry {
         "Approximate memory of the KV index per partition, bytes.",
         &part,
     );
+    let memo_hits = registered(
+        &r,
+        IntCounterVec::new(
+            Opts::new(
+                "kvselect_index_prefix_memo_hits_total",
+                "Overlap walks that began from the kept state of their shared prompt prefix, per partition.",
+            ),
+            &part,
+        )
+        .expect("valid"),
+    );
     for p in app.catalog.partitions() {
         let st = p.index.stats();
         let l = [p.model_name.as_str(), p.routing_group.as_str()];
         entries.with_label_values(&l).set(st.entries as f64);
         nodes.with_label_values(&l).set(st.nodes as f64);
         bytes.with_label_values(&l).set(st.bytes as f64);
+        memo_hits.with_label_values(&l).inc_by(st.prefix_memo_hits);
     }
 
     let ls = app.ledger.stats();

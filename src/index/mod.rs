@@ -93,6 +93,7 @@ pub struct Overlap {
 
 mod engine;
 mod holders;
+mod memo;
 mod ranks;
 mod reconstruct;
 mod runs;
@@ -154,6 +155,8 @@ pub struct IndexStats {
     pub ranks: usize,
     /// Approximate heap bytes (table capacities, holder lists, run records).
     pub bytes: usize,
+    /// Walks that began from a kept state of their shared prefix (`memo.rs`).
+    pub prefix_memo_hits: u64,
 }
 
 const NODE_SHARD_BITS: u32 = 6;
@@ -188,6 +191,7 @@ pub struct Index {
     ranks: Box<[RankShard]>,
     slots: RwLock<Slots>,
     runs: runs::Runs,
+    memo: memo::PrefixMemo,
 }
 
 impl Default for Index {
@@ -208,9 +212,12 @@ fn tier_bit(t: usize) -> u8 {
 
 /// The one way the index changes a node's holders: any run tag comes off
 /// first (the node is no longer as its run's store left it, `runs.rs`), then
-/// `f` runs, and the table's heap count follows the holders' allocation.
+/// `f` runs, the table's heap count follows the holders' allocation, and a
+/// change to a node that was or became dense moves the prefix memo's epoch
+/// (`memo.rs`).
 fn change_holders(
     runs: &runs::Runs,
+    memo: &memo::PrefixMemo,
     heap: &mut usize,
     holders: &mut Holders,
     f: impl FnOnce(&mut Holders) -> Change,
@@ -218,9 +225,13 @@ fn change_holders(
     if let Some(old) = holders.untag() {
         runs.untagged(old);
     }
+    let was_dense = holders.dense().is_some();
     let before = holders.heap_bytes();
     let change = f(holders);
     *heap = *heap + holders.heap_bytes() - before;
+    if change == Change::Changed && (was_dense || holders.dense().is_some()) {
+        memo.bump();
+    }
     change
 }
 
@@ -265,7 +276,17 @@ impl Index {
             ranks: (0..RANK_SHARDS).map(|_| RankShard::default()).collect(),
             slots: RwLock::new(Slots::default()),
             runs: runs::Runs::default(),
+            memo: memo::PrefixMemo::default(),
         }
+    }
+
+    /// An index that never keeps a walk's prefix state: the reference the
+    /// prefix memo's tests compare against.
+    #[cfg(test)]
+    pub(crate) fn without_prefix_memo() -> Index {
+        let mut ix = Index::new();
+        ix.memo.off = true;
+        ix
     }
 
     /// Indexes a chain of blocks stored by `wr` on `tier` under the block with
@@ -385,9 +406,13 @@ impl Index {
         let mut g = shard.0.write();
         let table = &mut *g;
         let node = table.nodes.entry(key, local, parent);
-        let change = change_holders(&self.runs, &mut table.heap, &mut node.holders, |h| {
-            h.set(slot, tier_bit(t))
-        });
+        let change = change_holders(
+            &self.runs,
+            &self.memo,
+            &mut table.heap,
+            &mut node.holders,
+            |h| h.set(slot, tier_bit(t)),
+        );
         if let Some(tag) = tag {
             if node.holders.tag(tag) {
                 self.runs.tagged(tag);
@@ -416,7 +441,7 @@ impl Index {
         let table = &mut *g;
         let heap = &mut table.heap;
         let change = table.nodes.update(key, |node| {
-            change_holders(&self.runs, heap, &mut node.holders, |h| {
+            change_holders(&self.runs, &self.memo, heap, &mut node.holders, |h| {
                 h.clear(slot, tier_bit(t))
             })
         });
@@ -474,16 +499,24 @@ impl Index {
     /// sequence-hash chain. Order of `out` is unspecified.
     pub fn overlap(&self, seq_keys: &[u64], out: &mut Vec<(WorkerRank, Overlap)>) {
         out.clear();
-        let mut walk = walk::Walk::new();
+        // A kept state of the prompt's shared prefix, if one is current
+        // (`memo.rs`): the walk goes on after it. Otherwise the walk counts
+        // its leading dense blocks (`dense_run`) and keeps its state where
+        // they end.
+        let epoch = self.memo.epoch();
+        let (mut walk, mut start, mut dense_run) = match self.memo.find(seq_keys, epoch) {
+            Some((k, w)) => (w, k, usize::MAX),
+            None => (walk::Walk::new(), 0, 0),
+        };
+        let mut kept: Option<(usize, walk::Walk)> = None;
         let mut walked = seq_keys.len();
         // Set once a single slot is left (typically the one worker holding a
         // long tail): then a block that slot holds on a good enough tier
         // needs no walk step at all, only one probe and one mask test.
-        let mut single: Option<(u32, u8)> = None;
+        let mut single: Option<(u32, u8)> = walk.single();
         // Home bucket of each key of the chunk, computed in one pass (the
         // multiplies pipeline) that also takes the shard read locks needed.
         let mut homes: Vec<usize> = Vec::with_capacity(WALK_CHUNK.min(seq_keys.len()));
-        let mut start = 0;
         // Chunks grow from 32 to WALK_CHUNK blocks, so a walk that ends early
         // does not pay for locking and hashing keys it never reaches.
         let mut chunk = 32;
@@ -512,6 +545,16 @@ impl Index {
                     table::prefetch_at(tables[node_shard(ahead)], homes[j + PREFETCH_AHEAD]);
                 }
                 let node = table::probe_likely(tables[node_shard(key)], homes[j], key);
+                if dense_run == start + j {
+                    if node.is_some_and(|n| n.holders.dense().is_some()) {
+                        dense_run += 1;
+                    } else {
+                        if dense_run >= memo::MIN_BLOCKS {
+                            kept = Some((dense_run, walk.clone()));
+                        }
+                        dense_run = usize::MAX;
+                    }
+                }
                 if let (Some((slot, need)), Some(n)) = (single, node) {
                     if n.holders.mask(slot) & need != 0 {
                         // Held inline by `slot` alone: a whole run it heads
@@ -542,6 +585,12 @@ impl Index {
             }
             start = end;
         }
+        if dense_run == seq_keys.len() && dense_run >= memo::MIN_BLOCKS && !walk.done() {
+            kept = Some((dense_run, walk.clone()));
+        }
+        if let Some((k, w)) = kept {
+            self.memo.offer(seq_keys, k, epoch, w);
+        }
         walk.end(walked as u32);
         let slots = self.slots.read();
         walk.results(|slot, [device, host_ext, disk_ext]| {
@@ -562,6 +611,7 @@ impl Index {
     pub fn stats(&self) -> IndexStats {
         let mut s = IndexStats {
             bytes: self.runs.heap_bytes(),
+            prefix_memo_hits: self.memo.hits(),
             ..IndexStats::default()
         };
         for sh in self.nodes.iter() {

@@ -319,3 +319,172 @@ fn dump_lists_parents_before_children() {
     assert_eq!(d[2].tier, Tier::HostPinned);
     assert_eq!(d[2].parent_engine_hash, Some(1003));
 }
+
+/// Workers 0..n each store the shared prefix `1..=len` on device (engine
+/// hashes `w * 1000 + i`), then a suffix of 10 blocks of their own.
+fn shared_prefix(ix: &Index, workers: std::ops::Range<u64>, len: u64) -> Vec<u64> {
+    let prefix: Vec<u64> = (1..=len).collect();
+    for w in workers {
+        let engine: Vec<u64> = (1..=len).map(|i| w * 1000 + i).collect();
+        ix.store(wr(w), Tier::Device, None, &blocks(&engine, &prefix))
+            .unwrap();
+        let sfx = suffix(w);
+        let engine: Vec<u64> = (1..=10).map(|i| w * 1000 + 500 + i).collect();
+        ix.store(
+            wr(w),
+            Tier::Device,
+            Some(w * 1000 + len),
+            &blocks(&engine, &sfx),
+        )
+        .unwrap();
+    }
+    prefix
+}
+
+fn suffix(w: u64) -> Vec<u64> {
+    (0..10).map(|i| 100_000 + w * 100 + i).collect()
+}
+
+#[test]
+fn a_shared_prefix_walk_starts_from_the_kept_state_while_it_is_current() {
+    let ix = Index::new();
+    let prefix = shared_prefix(&ix, 0..10, 70);
+    let prompt = [prefix.clone(), suffix(0)].concat();
+    let all = |w0: u32| -> Vec<(WorkerRank, Overlap)> {
+        (0..10)
+            .map(|w| (wr(w), o(if w == 0 { w0 } else { 70 }, 0, 0)))
+            .collect()
+    };
+    assert_eq!(ov(&ix, &prompt), all(80));
+    assert_eq!(ix.stats().prefix_memo_hits, 0);
+    // The same prefix again (another worker's suffix): from the kept state.
+    assert_eq!(
+        ov(&ix, &[prefix.clone(), suffix(3)].concat())[3],
+        (wr(3), o(80, 0, 0))
+    );
+    assert_eq!(ov(&ix, &prompt), all(80));
+    assert_eq!(ix.stats().prefix_memo_hits, 2);
+    // A prompt that is the prefix alone, or shorter than it.
+    assert_eq!(ov(&ix, &prefix), all(70));
+    assert_eq!(ov(&ix, &prefix[..66]).len(), 10);
+    // A hole in one worker's copy of the prefix is seen at once.
+    assert_eq!(ix.remove(wr(5), Tier::Device, &[5030]), 1);
+    let got = ov(&ix, &prompt);
+    assert_eq!(got[5], (wr(5), o(29, 0, 0)));
+    assert_eq!(got[0], (wr(0), o(80, 0, 0)));
+    // Its host copy counts on the host tier.
+    ix.store(
+        wr(5),
+        Tier::HostPinned,
+        None,
+        &blocks(&[5901, 5902], &prefix[..2]),
+    )
+    .unwrap();
+    let hosted: Vec<u64> = (3..=70).map(|i| 5900 + i).collect();
+    ix.store(
+        wr(5),
+        Tier::HostPinned,
+        Some(5902),
+        &blocks(&hosted, &prefix[2..]),
+    )
+    .unwrap();
+    assert_eq!(ov(&ix, &prompt)[5], (wr(5), o(29, 41, 0)));
+    // A worker removed, and its slot reused by a worker that holds none of
+    // the prefix: never credited with the old worker's blocks.
+    let hits = ix.stats().prefix_memo_hits;
+    assert_eq!(ov(&ix, &prompt), ov(&ix, &prompt));
+    assert!(
+        ix.stats().prefix_memo_hits > hits,
+        "the state is kept again"
+    );
+    ix.remove_worker(9);
+    ix.store(wr(42), Tier::Device, None, &blocks(&[1], &[777]))
+        .unwrap();
+    let got = ov(&ix, &prompt);
+    assert_eq!(got.len(), 9);
+    assert!(got
+        .iter()
+        .all(|(w, _)| w.worker_id != 9 && w.worker_id != 42));
+    // Too few holders for the dense form: no state is kept.
+    let small = Index::new();
+    let prefix = shared_prefix(&small, 0..3, 70);
+    ov(&small, &prefix);
+    ov(&small, &prefix);
+    assert_eq!(small.stats().prefix_memo_hits, 0);
+}
+
+/// One change to the index in the prefix memo's property test.
+#[derive(Debug, Clone)]
+enum PrefixOp {
+    /// Worker `w` drops prefix block `i` from `tier`.
+    Remove { w: u64, tier: usize, i: u64 },
+    /// Worker `w` stores prefix blocks `from..from + n` on `tier`, chained
+    /// under block `from - 1` (refused when that is not there).
+    Store {
+        w: u64,
+        tier: usize,
+        from: u64,
+        n: u64,
+    },
+    /// Worker `w` is removed; it stores its whole prefix again later only
+    /// through `Store`.
+    Clear { w: u64 },
+}
+
+fn prefix_op() -> impl proptest::strategy::Strategy<Value = PrefixOp> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => (0..12u64, 0..3usize, 1..=70u64).prop_map(|(w, tier, i)| PrefixOp::Remove { w, tier, i }),
+        4 => (0..12u64, 0..3usize, 1..=70u64, 1..70u64).prop_map(|(w, tier, from, n)| PrefixOp::Store {
+            w,
+            tier,
+            from,
+            n: n.min(71 - from),
+        }),
+        1 => (0..12u64).prop_map(|w| PrefixOp::Clear { w }),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// Whatever changes the prefix goes through, a walk that starts from a
+    /// kept state answers what a walk from the root answers.
+    #[test]
+    fn the_prefix_memo_never_changes_an_answer(ops in proptest::collection::vec(prefix_op(), 1..40)) {
+        let memo = Index::new();
+        let reference = Index::without_prefix_memo();
+        let prefix = shared_prefix(&memo, 0..12, 70);
+        shared_prefix(&reference, 0..12, 70);
+        let tiers = [Tier::Device, Tier::HostPinned, Tier::Disk];
+        let prompts = [
+            [prefix.clone(), suffix(0)].concat(),
+            [prefix.clone(), suffix(7)].concat(),
+            prefix.clone(),
+            prefix[..66].to_vec(),
+        ];
+        for p in &prompts {
+            proptest::prop_assert_eq!(ov(&memo, p), ov(&reference, p));
+        }
+        for op in ops {
+            for ix in [&memo, &reference] {
+                match op {
+                    PrefixOp::Remove { w, tier, i } => {
+                        ix.remove(wr(w), tiers[tier], &[w * 1000 + i]);
+                    }
+                    PrefixOp::Store { w, tier, from, n } => {
+                        let local: Vec<u64> = (from..from + n).collect();
+                        let engine: Vec<u64> = local.iter().map(|i| w * 1000 + i).collect();
+                        let parent = (from > 1).then(|| w * 1000 + from - 1);
+                        let _ = ix.store(wr(w), tiers[tier], parent, &blocks(&engine, &local));
+                    }
+                    PrefixOp::Clear { w } => ix.clear(wr(w)),
+                }
+            }
+            for p in &prompts {
+                proptest::prop_assert_eq!(ov(&memo, p), ov(&reference, p));
+            }
+        }
+        proptest::prop_assert!(memo.stats().prefix_memo_hits > 0);
+    }
+}

@@ -10,8 +10,8 @@
 
 use super::holders::{Holders, DEV, HOST};
 
-/// Scratch state of one walk.
-#[derive(Default)]
+/// Scratch state of one walk (cloned to keep a shared prefix's, `memo.rs`).
+#[derive(Default, Clone)]
 pub(crate) struct Walk {
     /// Active sets: `set[0]` device, `set[1]` device|host, `set[2]` any.
     set: [Vec<u64>; 3],
