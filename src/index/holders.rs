@@ -156,6 +156,13 @@ impl Holders {
         self.with(|f| f.heap_bytes())
     }
 
+    /// Held in the list or bitset form: by three or more slots, as a shared
+    /// prefix is (the nodes the prefix memo covers, `memo.rs`).
+    #[inline]
+    pub(crate) fn is_shared(&self) -> bool {
+        self.0 != 0 && self.0 & INLINE == 0
+    }
+
     /// The bitset form, if that is the current one.
     #[inline]
     pub(crate) fn dense(&self) -> Option<&Dense> {

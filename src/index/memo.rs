@@ -2,22 +2,24 @@
 //! walk of the same prefix.
 //!
 //! Most prompts of a fleet begin with blocks that many workers hold (a system
-//! prompt, tool definitions): nodes in the dense form (`holders.rs`). Every
-//! walk probes them again, and those probes miss the cache: in the paced seed
-//! profile (a 16k-token prefix held by all 128 workers), 1,000 of a walk's
-//! 1,100 probes were the prefix's, and they were most of the walk's time.
+//! prompt, tool definitions): *shared* nodes, whose holders are in the list or
+//! bitset form (three or more slots, `holders.rs`). Every walk probes them
+//! again, and those probes miss the cache: in the paced seed profile (a
+//! 16k-token prefix held by all 128 workers), 1,000 of a walk's 1,100 probes
+//! were the prefix's, and they were most of the walk's time.
 //!
-//! An entry is the walk's state after its first `k` blocks, all of them dense
+//! An entry is the walk's state after its first `k` blocks, all of them shared
 //! nodes, keyed by the public sequence key of block `k - 1` (which commits to
-//! the whole prefix) and by the index's *dense epoch* when it was taken. The
+//! the whole prefix) and by the index's *shared epoch* when it was taken. The
 //! epoch counts the changes to the holders of nodes that were or became
-//! dense (`change_holders` in `mod.rs`, the one way holders change). The state
-//! after blocks that are all dense depends only on those nodes' holders, so an
-//! entry whose epoch is the current one is the state a walk would reach now,
-//! and the walk goes on from block `k`. A slot is reused only after its
-//! worker's blocks were all released (`ranks.rs`, `retire`), which changed
-//! every dense node it held, so a state never credits a new worker with an
-//! old one's blocks.
+//! shared (`change_holders` in `mod.rs`, the one way holders change); the
+//! nodes of a session's own history (one or two holders, inline) do not move
+//! it. The state after blocks that are all shared depends only on those
+//! nodes' holders, so an entry whose epoch is the current one is the state a
+//! walk would reach now, and the walk goes on from block `k`. A slot is
+//! reused only after its worker's blocks were all released (`ranks.rs`,
+//! `retire`), which changed every shared node it held, so a state never
+//! credits a new worker with an old one's blocks.
 //!
 //! Consistency: a walk reads the epoch before its first lock and offers its
 //! state only if the epoch has not moved when it ends, so a change applied
@@ -30,7 +32,7 @@ use super::walk::Walk;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Shortest dense prefix worth an entry (blocks).
+/// Shortest shared prefix worth an entry (blocks).
 pub(crate) const MIN_BLOCKS: usize = 64;
 /// Entries kept (distinct shared prefixes, for example one per system prompt),
 /// most recently used first.
@@ -55,13 +57,13 @@ pub(crate) struct PrefixMemo {
 }
 
 impl PrefixMemo {
-    /// The dense epoch now (read before a walk takes its first lock).
+    /// The shared epoch now (read before a walk takes its first lock).
     #[inline]
     pub(crate) fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::Acquire)
     }
 
-    /// A dense node's holders changed (called under its shard's write lock).
+    /// A shared node's holders changed (called under its shard's write lock).
     #[inline]
     pub(crate) fn bump(&self) {
         self.epoch.fetch_add(1, Ordering::Release);
@@ -87,7 +89,7 @@ impl PrefixMemo {
     }
 
     /// Keeps `walk`, the state after the first `k` blocks of `seq_keys`
-    /// (all dense), if the epoch is still `epoch`, the one read before the
+    /// (all shared), if the epoch is still `epoch`, the one read before the
     /// walk began.
     pub(crate) fn offer(&self, seq_keys: &[u64], k: usize, epoch: u64, walk: Walk) {
         debug_assert!(k >= 1 && k <= seq_keys.len());

@@ -213,7 +213,7 @@ fn tier_bit(t: usize) -> u8 {
 /// The one way the index changes a node's holders: any run tag comes off
 /// first (the node is no longer as its run's store left it, `runs.rs`), then
 /// `f` runs, the table's heap count follows the holders' allocation, and a
-/// change to a node that was or became dense moves the prefix memo's epoch
+/// change to a node that was or became shared moves the prefix memo's epoch
 /// (`memo.rs`).
 fn change_holders(
     runs: &runs::Runs,
@@ -225,11 +225,11 @@ fn change_holders(
     if let Some(old) = holders.untag() {
         runs.untagged(old);
     }
-    let was_dense = holders.dense().is_some();
+    let was_shared = holders.is_shared();
     let before = holders.heap_bytes();
     let change = f(holders);
     *heap = *heap + holders.heap_bytes() - before;
-    if change == Change::Changed && (was_dense || holders.dense().is_some()) {
+    if change == Change::Changed && (was_shared || holders.is_shared()) {
         memo.bump();
     }
     change
@@ -501,10 +501,10 @@ impl Index {
         out.clear();
         // A kept state of the prompt's shared prefix, if one is current
         // (`memo.rs`): the walk goes on after it. Otherwise the walk counts
-        // its leading dense blocks (`dense_run`) and keeps its state where
+        // its leading shared blocks (`shared_run`) and keeps its state where
         // they end.
         let epoch = self.memo.epoch();
-        let (mut walk, mut start, mut dense_run) = match self.memo.find(seq_keys, epoch) {
+        let (mut walk, mut start, mut shared_run) = match self.memo.find(seq_keys, epoch) {
             Some((k, w)) => (w, k, usize::MAX),
             None => (walk::Walk::new(), 0, 0),
         };
@@ -545,14 +545,14 @@ impl Index {
                     table::prefetch_at(tables[node_shard(ahead)], homes[j + PREFETCH_AHEAD]);
                 }
                 let node = table::probe_likely(tables[node_shard(key)], homes[j], key);
-                if dense_run == start + j {
-                    if node.is_some_and(|n| n.holders.dense().is_some()) {
-                        dense_run += 1;
+                if shared_run == start + j {
+                    if node.is_some_and(|n| n.holders.is_shared()) {
+                        shared_run += 1;
                     } else {
-                        if dense_run >= memo::MIN_BLOCKS {
-                            kept = Some((dense_run, walk.clone()));
+                        if shared_run >= memo::MIN_BLOCKS {
+                            kept = Some((shared_run, walk.clone()));
                         }
-                        dense_run = usize::MAX;
+                        shared_run = usize::MAX;
                     }
                 }
                 if let (Some((slot, need)), Some(n)) = (single, node) {
@@ -585,8 +585,8 @@ impl Index {
             }
             start = end;
         }
-        if dense_run == seq_keys.len() && dense_run >= memo::MIN_BLOCKS && !walk.done() {
-            kept = Some((dense_run, walk.clone()));
+        if shared_run == seq_keys.len() && shared_run >= memo::MIN_BLOCKS && !walk.done() {
+            kept = Some((shared_run, walk.clone()));
         }
         if let Some((k, w)) = kept {
             self.memo.offer(seq_keys, k, epoch, w);

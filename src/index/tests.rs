@@ -364,6 +364,15 @@ fn a_shared_prefix_walk_starts_from_the_kept_state_while_it_is_current() {
     );
     assert_eq!(ov(&ix, &prompt), all(80));
     assert_eq!(ix.stats().prefix_memo_hits, 2);
+    // Three holders (the list form) are shared too.
+    let three = Index::new();
+    let p3 = shared_prefix(&three, 0..3, 70);
+    ov(&three, &p3);
+    assert_eq!(ov(&three, &p3).len(), 3);
+    assert_eq!(three.stats().prefix_memo_hits, 1);
+    // A shared node that falls back to two holders (inline) is a change too.
+    assert_eq!(three.remove(wr(2), Tier::Device, &[2030]), 1);
+    assert_eq!(ov(&three, &p3)[2], (wr(2), o(29, 0, 0)));
     // A prompt that is the prefix alone, or shorter than it.
     assert_eq!(ov(&ix, &prefix), all(70));
     assert_eq!(ov(&ix, &prefix[..66]).len(), 10);
@@ -405,9 +414,10 @@ fn a_shared_prefix_walk_starts_from_the_kept_state_while_it_is_current() {
     assert!(got
         .iter()
         .all(|(w, _)| w.worker_id != 9 && w.worker_id != 42));
-    // Too few holders for the dense form: no state is kept.
+    // Two holders keep their blocks inline, as a session's history: no state
+    // is kept.
     let small = Index::new();
-    let prefix = shared_prefix(&small, 0..3, 70);
+    let prefix = shared_prefix(&small, 0..2, 70);
     ov(&small, &prefix);
     ov(&small, &prefix);
     assert_eq!(small.stats().prefix_memo_hits, 0);
@@ -451,11 +461,15 @@ proptest::proptest! {
     /// Whatever changes the prefix goes through, a walk that starts from a
     /// kept state answers what a walk from the root answers.
     #[test]
-    fn the_prefix_memo_never_changes_an_answer(ops in proptest::collection::vec(prefix_op(), 1..40)) {
+    fn the_prefix_memo_never_changes_an_answer(
+        workers in proptest::prop_oneof![proptest::strategy::Just(4u64), proptest::strategy::Just(12)],
+        ops in proptest::collection::vec(prefix_op(), 1..40),
+    ) {
+        // 4 workers hold the prefix in the list form, 12 in the bitset form.
         let memo = Index::new();
         let reference = Index::without_prefix_memo();
-        let prefix = shared_prefix(&memo, 0..12, 70);
-        shared_prefix(&reference, 0..12, 70);
+        let prefix = shared_prefix(&memo, 0..workers, 70);
+        shared_prefix(&reference, 0..workers, 70);
         let tiers = [Tier::Device, Tier::HostPinned, Tier::Disk];
         let prompts = [
             [prefix.clone(), suffix(0)].concat(),
