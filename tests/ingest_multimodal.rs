@@ -419,6 +419,10 @@ fn malformed_extra_keys_are_counted_and_dropped() {
     assert_eq!(overlap(addr, 5, json!({"token_ids": t})), 0);
     // The first one is logged as a warning naming the stream; the next two,
     // within 10 s, are only counted (a broken publisher does not flood).
+    // A worker joining now writes a later line to the same stream; once the
+    // reader has it, it has every line before it.
+    let _later = Engine::register(addr, 6);
+    assert!(server.wait_for_line(&["worker joined", "worker_id=6"], Duration::from_secs(10)));
     let log = server.log_text();
     let lines: Vec<&str> = log
         .lines()
