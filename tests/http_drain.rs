@@ -1,6 +1,7 @@
 //! Regression tests of the drain finding: SIGTERM under load cut 15 of 2,394
-//! accepted requests. Now: /ready turns 503, the listener closes, every
-//! request the server accepted gets its response (`Connection: close`),
+//! accepted requests. Now: queued connections are taken, the listener
+//! closes, /ready turns 503, every request on a connection the kernel
+//! accepted gets its response (`Connection: close`),
 //! then the process exits 0 within `--shutdown-timeout-secs`; a second
 //! signal exits at once.
 

@@ -195,9 +195,15 @@ impl App {
     // ----- health and catalog -----
 
     pub fn readiness(&self) -> Readiness {
+        self.readiness_when(self.is_shutting_down())
+    }
+
+    /// Readiness as of a shutdown flag the caller has already read, so one
+    /// response does not mix two readings of it.
+    pub fn readiness_when(&self, shutting_down: bool) -> Readiness {
         let snap = self.catalog.snapshot();
         Readiness {
-            ready: !self.is_shutting_down() && snap.schedulable_workers > 0,
+            ready: !shutting_down && snap.schedulable_workers > 0,
             schedulable_workers: snap.schedulable_workers,
             workers: self.catalog.list(None, None),
         }

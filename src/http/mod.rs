@@ -18,10 +18,12 @@
 //! bytes costs a few KiB until its body timeout. Connections are capped by
 //! `--max-connections` and each is watched by `limits.rs`.
 //!
-//! Drain ([`Server::serve`] once `shutdown` resolves): /ready answers 503,
-//! the listener closes, every connection is told to finish (`limits.rs` says
-//! how), and `serve` returns when the last one has, or at
-//! `--shutdown-timeout-secs`, when the rest are dropped.
+//! Drain ([`Server::serve`] once `shutdown` resolves): connections already
+//! queued in the kernel's backlog are taken, the listener closes, then
+//! /ready answers 503 and every HTTP/1 response carries `Connection: close`
+//! (one reading of the flag per request decides both), every connection is
+//! told to finish (`limits.rs` says how), and `serve` returns when the last
+//! one has, or at `--shutdown-timeout-secs`, when the rest are dropped.
 
 pub mod error;
 pub mod limits;
@@ -73,6 +75,17 @@ pub const OPENAPI: &str = include_str!("openapi.json");
 /// The `WWW-Authenticate` challenge of a 401.
 const BEARER_CHALLENGE: &str = "Bearer realm=\"kvselect\"";
 const BEARER_INVALID: &str = "Bearer realm=\"kvselect\", error=\"invalid_token\"";
+
+/// What the accept loop shares with each connection it admits.
+struct Gate {
+    /// One permit per connection under `--max-connections`.
+    slots: Arc<Semaphore>,
+    /// Bounds the admissions waiting on an evicted connection's slot.
+    waiters: Arc<Semaphore>,
+    open: Arc<Open>,
+    drain: watch::Receiver<bool>,
+    abort: watch::Receiver<bool>,
+}
 
 pub struct Server {
     app: Arc<App>,
@@ -156,11 +169,15 @@ impl Server {
     /// drains (see the module doc) and returns.
     pub async fn serve(self: Arc<Self>, listener: TcpListener, shutdown: impl Future<Output = ()>) {
         let limits = self.limits;
-        let slots = Arc::new(Semaphore::new(limits.max_connections));
-        let waiters = Arc::new(Semaphore::new(EVICT_WAITERS));
-        let open = Arc::new(Open::default());
         let (drain_tx, drain_rx) = watch::channel(false);
         let (abort_tx, abort_rx) = watch::channel(false);
+        let gate = Gate {
+            slots: Arc::new(Semaphore::new(limits.max_connections)),
+            waiters: Arc::new(Semaphore::new(EVICT_WAITERS)),
+            open: Arc::new(Open::default()),
+            drain: drain_rx,
+            abort: abort_rx,
+        };
         tokio::pin!(shutdown);
         loop {
             let (stream, peer) = tokio::select! {
@@ -176,46 +193,31 @@ impl Server {
                     }
                 },
             };
-            let server = Arc::clone(&self);
-            let (drain, abort) = (drain_rx.clone(), abort_rx.clone());
-            let open = Arc::clone(&open);
-            let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
-                // At the cap: take an idle connection's slot (limits.rs),
-                // waiting off this loop, a bounded number at a time.
-                // Otherwise close at once, which keeps the socket from
-                // holding a file descriptor and memory.
-                let waiter = Arc::clone(&waiters)
-                    .try_acquire_owned()
-                    .ok()
-                    .filter(|_| open.evict_quietest());
-                if let Some(waiter) = waiter {
-                    let slots = Arc::clone(&slots);
-                    tokio::spawn(async move {
-                        let freed = tokio::time::timeout(EVICT_WAIT, slots.acquire_owned()).await;
-                        drop(waiter);
-                        match freed {
-                            Ok(Ok(permit)) => {
-                                server
-                                    .connection(stream, peer, permit, &open, drain, abort)
-                                    .await
-                            }
-                            _ => server.refuse(peer, stream),
-                        }
-                    });
-                } else {
-                    self.refuse(peer, stream);
+            self.admit(stream, peer, &gate);
+        }
+        // Connections the kernel has completed but the loop has not taken
+        // are served, not reset: take them without waiting, then close the
+        // listener, and only then turn /ready and the responses' keep-alive
+        // off, so a client told `Connection: close` reconnects to a closed
+        // port (refused, safe to retry elsewhere) rather than into a backlog
+        // that closing resets.
+        match listener.into_std() {
+            Ok(listener) => {
+                while let Ok((stream, peer)) = listener.accept() {
+                    let stream = stream
+                        .set_nonblocking(true)
+                        .and_then(|()| TcpStream::from_std(stream));
+                    match stream {
+                        Ok(stream) => self.admit(stream, peer, &gate),
+                        Err(e) => tracing::debug!(%peer, error = %e, "queued connection lost"),
+                    }
                 }
-                continue;
-            };
-            tokio::spawn(async move {
-                server
-                    .connection(stream, peer, permit, &open, drain, abort)
-                    .await;
-            });
+            }
+            Err(e) => tracing::warn!(error = %e, "listener could not be drained"),
         }
         self.app.begin_shutdown();
-        drop(listener);
         let _ = drain_tx.send(true);
+        let slots = &gate.slots;
         let all = limits.max_connections as u32;
         let open = limits.max_connections - slots.available_permits();
         tracing::info!(
@@ -233,6 +235,46 @@ impl Server {
             );
             let _ = abort_tx.send(true);
         }
+    }
+
+    /// Serves an accepted socket on its own task, within `--max-connections`.
+    fn admit(self: &Arc<Self>, stream: TcpStream, peer: SocketAddr, gate: &Gate) {
+        let server = Arc::clone(self);
+        let (drain, abort) = (gate.drain.clone(), gate.abort.clone());
+        let open = Arc::clone(&gate.open);
+        let Ok(permit) = Arc::clone(&gate.slots).try_acquire_owned() else {
+            // At the cap: take an idle connection's slot (limits.rs),
+            // waiting off the accept loop, a bounded number at a time.
+            // Otherwise close at once, which keeps the socket from
+            // holding a file descriptor and memory.
+            let waiter = Arc::clone(&gate.waiters)
+                .try_acquire_owned()
+                .ok()
+                .filter(|_| open.evict_quietest());
+            if let Some(waiter) = waiter {
+                let slots = Arc::clone(&gate.slots);
+                tokio::spawn(async move {
+                    let freed = tokio::time::timeout(EVICT_WAIT, slots.acquire_owned()).await;
+                    drop(waiter);
+                    match freed {
+                        Ok(Ok(permit)) => {
+                            server
+                                .connection(stream, peer, permit, &open, drain, abort)
+                                .await
+                        }
+                        _ => server.refuse(peer, stream),
+                    }
+                });
+            } else {
+                self.refuse(peer, stream);
+            }
+            return;
+        };
+        tokio::spawn(async move {
+            server
+                .connection(stream, peer, permit, &open, drain, abort)
+                .await;
+        });
     }
 
     /// Closes a socket accepted beyond `--max-connections`.
@@ -362,7 +404,10 @@ impl Server {
         let route = route_label(req.uri().path());
         let head_only = req.method() == Method::HEAD;
         let http1 = req.version() <= Version::HTTP_11;
-        let mut close = false;
+        // Read once: a /ready that says 200 is never sent with
+        // `Connection: close`, nor a 503 for draining without it.
+        let draining = self.app.is_shutting_down();
+        let mut close = draining;
         let mut resp = match self.authorize(&req, route) {
             Err(e) => error_response(e),
             Ok(()) if route == "/metrics" && (head_only || req.method() == Method::GET) => {
@@ -373,7 +418,7 @@ impl Server {
                 );
                 r
             }
-            Ok(()) => match self.route(req).await {
+            Ok(()) => match self.route(req, draining).await {
                 Ok(Reply {
                     status,
                     body,
@@ -386,12 +431,12 @@ impl Server {
                     r
                 }
                 Err(e) => {
-                    close = matches!(e, HttpError::BodyTimeout);
+                    close |= matches!(e, HttpError::BodyTimeout);
                     error_response(e)
                 }
             },
         };
-        if http1 && (close || self.app.is_shutting_down()) {
+        if http1 && close {
             resp.headers_mut()
                 .insert(CONNECTION, HeaderValue::from_static("close"));
         }
@@ -431,7 +476,7 @@ impl Server {
         Ok(r?)
     }
 
-    async fn route(&self, req: Request<Incoming>) -> Routed {
+    async fn route(&self, req: Request<Incoming>, draining: bool) -> Routed {
         let app = &self.app;
         let path = req.uri().path().to_string();
         let query = req.uri().query().map(str::to_string);
@@ -448,7 +493,7 @@ impl Server {
             ))),
             ["health"] => not_allowed(GET_HEAD),
             ["ready"] if get => {
-                let r = app.readiness();
+                let r = app.readiness_when(draining);
                 let status = if r.ready {
                     StatusCode::OK
                 } else {
