@@ -248,7 +248,9 @@ fn push_json_tokens(out: &mut Vec<u8>, stream: u64, from: usize, to: usize) {
 }
 
 /// Registers every mock worker with the selector (`POST /workers`) and waits
-/// until `/ready` counts them all as schedulable.
+/// until `/ready` counts them all as schedulable and every worker's KV-event
+/// socket has the selector's subscription, so no event published after this
+/// returns is lost to ZeroMQ's slow joiner.
 pub async fn register_workers(
     addr: &str,
     mocker: &Mocker,
@@ -292,12 +294,13 @@ pub async fn register_workers(
             .await
             .map_err(|e| err(format!("GET /ready: {e}")))?;
         let n = scan_u64(conn.body(), "schedulable_workers").unwrap_or(0);
-        if status == 200 && n as usize >= eps.len() {
+        let subscribed = mocker.subscribed();
+        if status == 200 && n as usize >= eps.len() && subscribed == eps.len() {
             return Ok(());
         }
         if Instant::now() > deadline {
             return Err(err(format!(
-                "selector not ready: {n} of {} schedulable",
+                "selector not ready: {n} of {} schedulable, {subscribed} subscribed",
                 eps.len()
             )));
         }

@@ -1,6 +1,7 @@
-//! Simulated vLLM workers for load tests: each owns a ZMQ PUB socket, a replay
-//! ROUTER socket and an LRU prefix cache, and publishes exactly the KV events
-//! a vLLM 0.34 engine would for the prompts it is told to serve.
+//! Simulated vLLM workers for load tests: each owns a ZMQ XPUB socket (a PUB
+//! that also reports subscriptions), a replay ROUTER socket and an LRU prefix
+//! cache, and publishes exactly the KV events a vLLM 0.34 engine would for
+//! the prompts it is told to serve.
 //!
 //! Owns: socket setup (ephemeral loopback ports), the per-worker cache and seq
 //! counter, the replay buffer and the one thread that answers replay requests
@@ -149,7 +150,7 @@ struct PublishedCounters {
 #[derive(Debug, Clone)]
 pub struct WorkerEndpoints {
     pub worker_id: u64,
-    /// `tcp://127.0.0.1:PORT` of the PUB socket.
+    /// `tcp://127.0.0.1:PORT` of the XPUB socket.
     pub kv_events: String,
     /// `tcp://127.0.0.1:PORT` of the replay ROUTER socket.
     pub replay: String,
@@ -300,7 +301,13 @@ struct ReplayBuffer {
 }
 
 struct WorkerState {
+    /// An XPUB, so the fleet can tell when a selector's subscription has
+    /// arrived: a PUB drops what it sends before then (ZeroMQ's slow
+    /// joiner), and a test that starts publishing at once loses its first
+    /// batches.
     publisher: zmq::Socket,
+    /// A subscription has arrived on `publisher`.
+    subscribed: bool,
     next_seq: u64,
     cache: Lru,
     scratch_local: Vec<u64>,
@@ -340,7 +347,7 @@ fn bind_loopback(sock: &zmq::Socket) -> Result<String, MockerError> {
 }
 
 impl Mocker {
-    /// Binds every worker's PUB and ROUTER socket on loopback ephemeral ports
+    /// Binds every worker's XPUB and ROUTER socket on loopback ephemeral ports
     /// and starts the replay thread.
     pub fn start(cfg: MockerConfig) -> Result<Self, MockerError> {
         let mut contexts = Vec::new();
@@ -351,7 +358,7 @@ impl Mocker {
                 contexts.push(zmq::Context::new());
             }
             let ctx = &contexts[contexts.len() - 1];
-            let publisher = ctx.socket(zmq::PUB)?;
+            let publisher = ctx.socket(zmq::XPUB)?;
             publisher.set_linger(0)?;
             // vLLM's high-water mark.
             publisher.set_sndhwm(100_000)?;
@@ -369,6 +376,7 @@ impl Mocker {
                 },
                 state: Mutex::new(WorkerState {
                     publisher,
+                    subscribed: false,
                     next_seq: 0,
                     cache: Lru::new(),
                     scratch_local: Vec::new(),
@@ -410,6 +418,25 @@ impl Mocker {
             stored_blocks: p.stored_blocks.load(Ordering::Relaxed),
             removed_blocks: p.removed_blocks.load(Ordering::Relaxed),
         }
+    }
+
+    /// How many workers have seen a subscription on their KV-event socket
+    /// (a selector connected and subscribed). Does not wait.
+    pub fn subscribed(&self) -> usize {
+        self.workers
+            .iter()
+            .filter(|w| {
+                let mut st = w.state.lock().unwrap_or_else(|p| p.into_inner());
+                // XPUB hands each (un)subscription up as a message whose
+                // first byte is 1 (subscribe) or 0 (unsubscribe).
+                while let Ok(m) = st.publisher.recv_bytes(zmq::DONTWAIT) {
+                    if m.first() == Some(&1) {
+                        st.subscribed = true;
+                    }
+                }
+                st.subscribed
+            })
+            .count()
     }
 
     /// Endpoints of every worker, in worker order.
