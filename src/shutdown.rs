@@ -1,8 +1,8 @@
 //! Process signals for a graceful drain.
 //!
 //! The first SIGTERM or SIGINT resolves [`drain_signal`]'s future; the server
-//! then drains (see `http::Server::serve`: /ready turns 503, the listener
-//! closes, in-flight requests finish with `Connection: close`, the process
+//! then drains (see `http::Server::serve`: the listener closes, /ready
+//! turns 503, in-flight requests finish with `Connection: close`, the process
 //! exits by `--shutdown-timeout-secs` at the latest). A second SIGTERM or
 //! SIGINT exits at once with status 130: an operator who presses Ctrl-C
 //! twice means it.
