@@ -4,7 +4,8 @@
 //! hyper's own HTTP/1 header timeout also runs while a keep-alive connection
 //! waits for its next request, so it cannot be longer than the idle timeout;
 //! and hyper has no idle timeout. Both are therefore kept here, by one
-//! watchdog per connection reading an [`Activity`] that three parties update:
+//! watchdog per connection (all of them ticking together, see
+//! [`Activity::watchdog`]) reading an [`Activity`] that three parties update:
 //! the socket wrapper [`Tracked`] (bytes read and written), the service
 //! (requests in flight) and the drain (see `http::Server::serve`).
 //!
@@ -32,10 +33,11 @@
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::{Instant as TokioInstant, Interval, MissedTickBehavior};
 
 pub use crate::config::HttpLimits;
 
@@ -249,6 +251,29 @@ impl Activity {
         (limits.header_read_timeout.min(limits.idle_timeout) / 4)
             .clamp(Duration::from_millis(20), Duration::from_secs(1))
     }
+
+    /// The watchdog's ticker, every [`Activity::check_period`]. Every
+    /// connection ticks on one grid of that period (counted from the
+    /// process's first watchdog), so the timer wakes a worker once for all
+    /// of them rather than once per connection: 256 idle keep-alive
+    /// connections cost one wake-up a second, not 256.
+    pub fn watchdog(limits: &HttpLimits, draining: bool) -> Interval {
+        static GRID: OnceLock<TokioInstant> = OnceLock::new();
+        let period = Activity::check_period(limits, draining);
+        let origin = *GRID.get_or_init(TokioInstant::now);
+        let next = next_on_grid(origin, TokioInstant::now(), period);
+        let mut tick = tokio::time::interval_at(next, period);
+        // Skip keeps later ticks on the grid after a late one.
+        tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
+        tick
+    }
+}
+
+/// The first multiple of `period` after `origin` that is later than `now`.
+fn next_on_grid(origin: TokioInstant, now: TokioInstant, period: Duration) -> TokioInstant {
+    let p = period.as_nanos().max(1);
+    let steps = now.saturating_duration_since(origin).as_nanos() / p + 1;
+    origin + Duration::from_nanos(u64::try_from(steps * p).unwrap_or(u64::MAX))
 }
 
 /// A request in flight; ending it marks the connection idle from now.
@@ -338,6 +363,46 @@ mod tests {
             idle_timeout: Duration::from_millis(1000),
             ..HttpLimits::default()
         }
+    }
+
+    #[test]
+    fn the_next_tick_is_the_first_grid_point_after_now() {
+        let o = TokioInstant::now();
+        let p = Duration::from_millis(250);
+        let at = |ms| o + Duration::from_millis(ms);
+        assert_eq!(next_on_grid(o, at(0), p), at(250));
+        assert_eq!(next_on_grid(o, at(10), p), at(250));
+        assert_eq!(next_on_grid(o, at(249), p), at(250));
+        assert_eq!(next_on_grid(o, at(250), p), at(500));
+        assert_eq!(next_on_grid(o, at(1_001), p), at(1_250));
+    }
+
+    /// Connections opened at different times tick at the same instants, so
+    /// one timer wake-up serves all of their watchdogs.
+    #[tokio::test]
+    async fn watchdogs_opened_apart_tick_together() {
+        let l = HttpLimits {
+            header_read_timeout: Duration::from_secs(2),
+            ..HttpLimits::default()
+        };
+        let mut first = Activity::watchdog(&l, false);
+        tokio::time::sleep(Duration::from_millis(70)).await;
+        let mut second = Activity::watchdog(&l, false);
+        let period = Activity::check_period(&l, false);
+        assert_eq!(period, Duration::from_millis(500));
+        // A tick reports the instant it was due.
+        let (mut a, mut b) = (first.tick().await, second.tick().await);
+        // The first may be one grid point behind the second; never off it.
+        if a < b {
+            assert_eq!(b - a, period);
+            a = first.tick().await;
+        }
+        assert_eq!(a, b);
+        b = second.tick().await;
+        assert_eq!(first.tick().await, b);
+        let draining = Activity::watchdog(&l, true);
+        let d = draining.period();
+        assert_eq!(d, DRAIN_QUIET / 2);
     }
 
     #[test]

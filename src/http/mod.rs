@@ -356,7 +356,7 @@ impl Server {
         tokio::pin!(conn);
         let limits = self.limits;
         let mut draining = *drain.borrow();
-        let mut tick = tokio::time::interval(Activity::check_period(&limits, draining));
+        let mut tick = Activity::watchdog(&limits, draining);
         let ended = |r: Result<(), _>| {
             if let Err(e) = r {
                 tracing::debug!(%peer, error = %e, "connection ended with error");
@@ -371,7 +371,7 @@ impl Server {
                 },
                 _ = drain.changed(), if !draining => {
                     draining = true;
-                    tick = tokio::time::interval(Activity::check_period(&limits, true));
+                    tick = Activity::watchdog(&limits, true);
                     if activity.is_http2() {
                         break Verdict::DrainClose;
                     }
