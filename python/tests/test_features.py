@@ -62,18 +62,28 @@ async def test_replica_sync_between_two_services(impl):
         for svc in (a, b):
             await svc.upsert_worker(worker(7, endpoint=ep))
             await wait_loaded(svc, 7)
-        # PUB/SUB joins lazily: book until one booking shows up on the peer
-        booked = []
+        # PUB/SUB joins lazily, and a message sent before the join is lost
+        # for good (the embedded form serves no repair): probe until one
+        # booking shows up on the peer, then free the probes.
+        probes = []
 
-        async def replicated():
-            sid = f"r{len(booked)}"
+        async def joined():
+            sid = f"probe{len(probes)}"
             await a.select_and_reserve({"token_ids": list(range(1, 65)), "selection_id": sid})
-            booked.append(sid)
+            probes.append(sid)
             row = _row(b, 7)
             return row is not None and row[2] > 0
 
-        assert await wait_for(replicated, timeout=10.0, interval=0.1), "booking never reached the peer"
-        assert await wait_for(lambda: _row(b, 7) == _row(a, 7), timeout=5.0)
+        assert await wait_for(joined, timeout=10.0, interval=0.1), "booking never reached the peer"
+        for sid in probes:
+            await a.free_reservation(sid)
+        assert await wait_for(lambda: _row(b, 7) == (0, 0, 0), timeout=5.0), _row(b, 7)
+        assert _row(a, 7) == (0, 0, 0)
+        # Joined: every booking now reaches the peer.
+        booked = ["r0", "r1"]
+        for sid in booked:
+            await a.select_and_reserve({"token_ids": list(range(1, 65)), "selection_id": sid})
+        assert await wait_for(lambda: _row(b, 7) == _row(a, 7), timeout=5.0), (_row(a, 7), _row(b, 7))
         assert _row(a, 7) == (64 * len(booked), 4, len(booked))
         # the mirrored id is taken on the peer
         try:
