@@ -139,28 +139,6 @@ impl Binary {
     pub fn log_text(&self) -> String {
         self.log.lock().unwrap().join("\n")
     }
-
-    /// Waits up to `timeout` for a logged line that contains every one of
-    /// `parts`. The server logs to stdout only, so once a line is seen here
-    /// every line the server wrote before it has been read too.
-    pub fn wait_for_line(&self, parts: &[&str], timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if self
-                .log
-                .lock()
-                .unwrap()
-                .iter()
-                .any(|l| parts.iter().all(|p| l.contains(p)))
-            {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
 }
 
 impl Drop for Binary {
