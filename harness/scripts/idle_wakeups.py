@@ -32,25 +32,29 @@ def cpu_ticks(pid):
     return int(fields[11]) + int(fields[12])
 
 
+def start(binary, args, preexec_fn=None):
+    """Starts `binary --port 0 ARGS`; returns the process and its address."""
+    proc = subprocess.Popen(
+        [binary, "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=preexec_fn,
+    )
+    for line in proc.stdout:
+        m = re.search(r'addr="?([0-9.]+):([0-9]+)', line)
+        if "listening" in line and m:
+            return proc, (m.group(1), int(m.group(2)))
+    proc.kill()
+    sys.exit("kvselect did not start")
+
+
 def main():
     binary = sys.argv[1]
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
     resource.setrlimit(resource.RLIMIT_NOFILE, (n + 1024, n + 1024))
-    proc = subprocess.Popen(
-        [binary, "--port", "0", "--cores", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc, addr = start(binary, ["--cores", "0"])
     try:
-        addr = None
-        for line in proc.stdout:
-            m = re.search(r'addr="?([0-9.]+):([0-9]+)', line)
-            if "listening" in line and m:
-                addr = (m.group(1), int(m.group(2)))
-                break
-        if addr is None:
-            sys.exit("kvselect did not start")
         conns = []
         for _ in range(n):
             s = socket.create_connection(addr)
