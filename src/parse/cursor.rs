@@ -22,13 +22,11 @@ pub(crate) enum Num {
     F64(f64),
 }
 
-/// serde's rendering of an unexpected float (`WithDecimalPoint`).
+/// serde_json's rendering of an unexpected float in a type error (its
+/// `JsonUnexpected`: the shortest round-trip form, `2000.0`, `1e+16`,
+/// `1e-7`), which the reference's messages carry.
 pub(crate) fn float_text(f: f64) -> String {
-    let mut s = format!("{f}");
-    if f.is_finite() && !s.contains(['.', 'e', 'E']) {
-        s.push_str(".0");
-    }
-    s
+    zmij::Buffer::new().format(f).to_owned()
 }
 
 impl Num {
@@ -40,6 +38,14 @@ impl Num {
             Num::F64(f) => format!("floating point `{}`", float_text(f)),
         }
     }
+}
+
+/// An error raised before an object's key was known: serde_path_to_error's
+/// unknown segment.
+#[cold]
+fn unknown_key(mut e: Box<Fail>) -> Box<Fail> {
+    e.segs.push(super::failure::Seg::Unknown);
+    e
 }
 
 #[inline(always)]
@@ -55,6 +61,9 @@ pub(crate) struct Cur<'a> {
     /// Token arrays a streamed body's front already converted, by the
     /// offset of the `[]` that stands for each in `b` (`stream.rs`).
     pub side: Option<&'a super::stream::Side>,
+    /// Skipping a value serde reads as `IgnoredAny`: its strings (and keys)
+    /// are checked only as serde_json's `ignore_str` checks them.
+    pub lenient: bool,
 }
 
 impl<'a> Cur<'a> {
@@ -65,6 +74,7 @@ impl<'a> Cur<'a> {
             depth: 0,
             max_depth,
             side: None,
+            lenient: false,
         }
     }
 
@@ -103,6 +113,19 @@ impl<'a> Cur<'a> {
     #[cold]
     pub(crate) fn shape(&self, offset: usize, msg: String) -> Box<Fail> {
         fail(ErrorClass::Shape, offset, msg)
+    }
+
+    /// Where the cursor is (position and nesting), for [`Cur::reset`].
+    #[inline]
+    pub(crate) fn mark(&self) -> (usize, usize) {
+        (self.i, self.depth)
+    }
+
+    /// Goes back to a [`Cur::mark`] taken earlier in the same body.
+    #[inline]
+    pub(crate) fn reset(&mut self, (i, depth): (usize, usize)) {
+        self.i = i;
+        self.depth = depth;
     }
 
     /// Opens a nesting level (the `[` or `{` at the cursor).
@@ -161,16 +184,39 @@ impl<'a> Cur<'a> {
     /// Reads the next key of an object (cursor after `{` or after a value).
     /// Returns `None` at `}` (consumed). `first` says whether this is the
     /// first key (no comma expected).
+    ///
+    /// An error before the key is known carries serde_path_to_error's
+    /// unknown segment (`?`); an error at the colon carries none, as the
+    /// reference's paths have it.
     #[inline]
     pub(crate) fn next_key(&mut self, first: bool) -> PResult<Option<Key<'a>>> {
+        let key = match self.key_start(first) {
+            Ok(Some(())) => self.key_raw().map_err(unknown_key)?,
+            Ok(None) => return Ok(None),
+            Err(e) => return Err(unknown_key(e)),
+        };
+        match self.ws() {
+            Some(b':') => self.i += 1,
+            None => return Err(self.eof("an object")),
+            Some(_) => return Err(self.syntax_here("expected `:`")),
+        }
+        Ok(Some(key))
+    }
+
+    /// Up to a key's opening quote: `Some(())` on it, `None` at `}`
+    /// (consumed).
+    #[inline]
+    fn key_start(&mut self, first: bool) -> PResult<Option<()>> {
         let mut c = self.ws();
         if !first {
             match c {
                 Some(b',') => {
                     self.i += 1;
                     c = self.ws();
-                    if c == Some(b'}') {
-                        return Err(self.syntax_here("trailing comma"));
+                    match c {
+                        Some(b'}') => return Err(self.syntax_here("trailing comma")),
+                        None => return Err(self.eof("a value")),
+                        _ => {}
                     }
                 }
                 Some(b'}') => {
@@ -187,23 +233,24 @@ impl<'a> Cur<'a> {
             return Ok(None);
         }
         match c {
-            Some(b'"') => {}
-            None => return Err(self.eof("an object")),
-            Some(_) => return Err(self.syntax_here("key must be a string")),
+            Some(b'"') => Ok(Some(())),
+            None => Err(self.eof("an object")),
+            Some(_) => Err(self.syntax_here("key must be a string")),
         }
-        let key = self.key_raw()?;
-        match self.ws() {
-            Some(b':') => self.i += 1,
-            None => return Err(self.eof("an object")),
-            Some(_) => return Err(self.syntax_here("expected `:`")),
-        }
-        Ok(Some(key))
     }
 
     /// A key string at the cursor (on its `"`). Keys without backslashes stay
     /// raw bytes, matched directly; escaped keys are decoded.
     #[inline]
     fn key_raw(&mut self) -> PResult<Key<'a>> {
+        if self.lenient {
+            // Inside a skipped value: the key is not looked at.
+            self.skip_string_lenient()?;
+            return Ok(Key {
+                bytes: Cow::Borrowed(b""),
+                end: self.i,
+            });
+        }
         let start = self.i + 1;
         let mut j = start;
         while let Some(&c) = self.b.get(j) {
@@ -258,8 +305,10 @@ impl<'a> Cur<'a> {
                             self.i = j + 1;
                             Ok(Cow::Borrowed(s))
                         }
-                        Err(e) => {
-                            self.i = start + e.valid_up_to();
+                        Err(_) => {
+                            // serde_json checks UTF-8 once the closing quote
+                            // is read, and reports it after that quote.
+                            self.i = j;
                             Err(self.syntax_here("invalid unicode code point"))
                         }
                     };
@@ -338,41 +387,48 @@ impl<'a> Cur<'a> {
         }
     }
 
+    /// The four hex digits after `\u`, as serde_json reads them: fewer than
+    /// four bytes left is EOF; otherwise all four are taken and a bad one is
+    /// `invalid escape` after them.
     fn hex4(&self, j: &mut usize) -> PResult<u16> {
+        let Some(digits) = self.b.get(*j..*j + 4) else {
+            return Err(self.eof("a string"));
+        };
+        *j += 4;
         let mut v: u16 = 0;
-        for _ in 0..4 {
-            let Some(&c) = self.b.get(*j) else {
-                return Err(self.eof("a string"));
-            };
+        for &c in digits {
             let d = match c {
                 b'0'..=b'9' => c - b'0',
                 b'a'..=b'f' => c - b'a' + 10,
                 b'A'..=b'F' => c - b'A' + 10,
-                _ => return Err(fail(ErrorClass::Syntax, *j + 1, "invalid escape")),
+                _ => return Err(fail(ErrorClass::Syntax, *j, "invalid escape")),
             };
             v = (v << 4) | d as u16;
-            *j += 1;
         }
         Ok(v)
     }
 
     /// After `\u`: one code point, pairing surrogates; lone surrogates are
-    /// errors (serde_json rejects them too).
+    /// errors, with serde_json's texts and positions: a leading surrogate
+    /// not followed by `\u` is `unexpected end of hex escape` after the
+    /// byte that broke it, any other unpaired one `lone leading surrogate`.
     fn unicode_escape(&self, j: &mut usize) -> PResult<char> {
         let n = self.hex4(j)?;
         match n {
             0xD800..=0xDBFF => {
-                if self.b.get(*j) != Some(&b'\\') || self.b.get(*j + 1) != Some(&b'u') {
-                    if *j >= self.b.len() || (*j + 1 >= self.b.len() && self.b[*j] == b'\\') {
-                        return Err(self.eof("a string"));
+                for want in [b'\\', b'u'] {
+                    match self.b.get(*j) {
+                        None => return Err(self.eof("a string")),
+                        Some(&c) if c == want => *j += 1,
+                        Some(_) => {
+                            return Err(fail(
+                                ErrorClass::Syntax,
+                                *j + 1,
+                                "unexpected end of hex escape",
+                            ))
+                        }
                     }
-                    return Err(fail(
-                        ErrorClass::Syntax,
-                        *j + 1,
-                        "lone leading surrogate in hex escape",
-                    ));
                 }
-                *j += 2;
                 let lo = self.hex4(j)?;
                 if !(0xDC00..=0xDFFF).contains(&lo) {
                     return Err(fail(
@@ -395,15 +451,60 @@ impl<'a> Cur<'a> {
         }
     }
 
+    /// A string serde skips as `IgnoredAny` (`Cur::lenient`): escapes are
+    /// checked for their shape only (a `\u` needs four hex digits), and
+    /// neither surrogates nor UTF-8 are validated, as serde_json's
+    /// `ignore_str` has it.
+    fn skip_string_lenient(&mut self) -> PResult<()> {
+        let mut j = self.i + 1;
+        loop {
+            let Some(&c) = self.b.get(j) else {
+                self.i = self.b.len();
+                return Err(self.eof("a string"));
+            };
+            match c {
+                b'"' => {
+                    self.i = j + 1;
+                    return Ok(());
+                }
+                b'\\' => {
+                    let Some(&e) = self.b.get(j + 1) else {
+                        self.i = self.b.len();
+                        return Err(self.eof("a string"));
+                    };
+                    j += 2;
+                    match e {
+                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {}
+                        b'u' => {
+                            self.hex4(&mut j)?;
+                        }
+                        _ => return Err(fail(ErrorClass::Syntax, j, "invalid escape")),
+                    }
+                }
+                0..=0x1f => {
+                    self.i = j;
+                    return Err(self.syntax_here(
+                        "control character (\\u0000-\\u001F) found while parsing a string",
+                    ));
+                }
+                _ => j += 1,
+            }
+        }
+    }
+
     /// Validates a string at the cursor without keeping it.
     fn skip_string(&mut self) -> PResult<()> {
+        if self.lenient {
+            return self.skip_string_lenient();
+        }
         let start = self.i + 1;
         let mut j = start;
         while let Some(&c) = self.b.get(j) {
             match c {
                 b'"' => {
-                    if let Err(e) = std::str::from_utf8(&self.b[start..j]) {
-                        self.i = start + e.valid_up_to();
+                    if std::str::from_utf8(&self.b[start..j]).is_err() {
+                        // After the closing quote, as in [`Cur::string`].
+                        self.i = j;
                         return Err(self.syntax_here("invalid unicode code point"));
                     }
                     self.i = j + 1;

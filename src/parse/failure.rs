@@ -14,6 +14,8 @@ use super::{ErrorClass, ParseError};
 pub(crate) enum Seg {
     Key(String),
     Index(usize),
+    /// A key not read yet (`?`).
+    Unknown,
 }
 
 /// An error on its way up; boxed so `PResult<T>` stays small on the hot path.
@@ -25,7 +27,8 @@ pub(crate) struct Fail {
     /// Innermost segment first (pushed while unwinding).
     pub segs: Vec<Seg>,
     /// A shape error inside the flattened prompt group: reported without a
-    /// path and at the end of the top-level object, as the reference does.
+    /// path (and, once deferred, at the end of the top-level object), as
+    /// the reference does.
     pub flattened: bool,
 }
 
@@ -79,12 +82,13 @@ impl Fail {
     /// The public error: path rendered like serde_path_to_error, line and
     /// column computed like serde_json's `SliceRead::position_of_index`.
     #[cold]
-    pub(crate) fn finish(self, body: &[u8], top_end: Option<usize>) -> ParseError {
-        let (offset, path) = if self.flattened && self.class == ErrorClass::Shape {
-            (top_end.unwrap_or(self.offset), String::new())
+    pub(crate) fn finish(self, body: &[u8]) -> ParseError {
+        let path = if self.flattened && self.class == ErrorClass::Shape {
+            String::new()
         } else {
-            (self.offset, render_path(&self.segs))
+            render_path(&self.segs)
         };
+        let offset = self.offset;
         let offset = offset.min(body.len());
         let (line, column) = line_column(body, offset);
         ParseError {
@@ -100,6 +104,10 @@ impl Fail {
 
 fn render_path(segs: &[Seg]) -> String {
     let mut out = String::new();
+    // serde_path_to_error prints no path that is only unknown segments.
+    if segs.iter().all(|s| matches!(s, Seg::Unknown)) {
+        return out;
+    }
     for (n, seg) in segs.iter().rev().enumerate() {
         match seg {
             Seg::Key(k) => {
@@ -112,6 +120,12 @@ fn render_path(segs: &[Seg]) -> String {
                 out.push('[');
                 out.push_str(&i.to_string());
                 out.push(']');
+            }
+            Seg::Unknown => {
+                if n > 0 {
+                    out.push('.');
+                }
+                out.push('?');
             }
         }
     }

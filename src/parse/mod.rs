@@ -9,12 +9,16 @@
 //! Does not: know HTTP (the HTTP layer adds the axum-style message prefixes and
 //! picks the status from [`ErrorClass`]).
 //!
-//! Contract: invalid JSON anywhere in a body is [`ErrorClass::Syntax`], even
-//! when a shape error came first in reading order (the body is re-validated on
-//! the shape-error path); valid JSON of the wrong shape is
-//! [`ErrorClass::Shape`]; more than `limits.max_tokens` elements in one number
-//! array is [`ErrorClass::TooLarge`]. Trailing non-whitespace is a syntax
-//! error (the reference accepts it; we do not). Messages follow serde's texts.
+//! Contract: a body gets the first error the reference meets reading it
+//! (serde_json straight into its typed struct): invalid JSON is
+//! [`ErrorClass::Syntax`] and valid JSON of the wrong shape
+//! [`ErrorClass::Shape`], whichever comes first, except that a shape error
+//! in the flattened prompt group waits for the end of the object (the
+//! reference buffers that group; `bodies::Parser::prompt_or_defer`). More
+//! than `limits.max_tokens` elements in one number array is
+//! [`ErrorClass::TooLarge`]. Trailing non-whitespace after a body that
+//! parsed is a syntax error (the reference accepts it; we do not). Messages
+//! and positions follow serde_json's and serde_path_to_error's.
 
 mod bodies;
 mod cursor;

@@ -2,9 +2,11 @@
 //! property tests and the seed replay (not by the service).
 //!
 //! - [`differential_select`]: our /select parser against serde_json into a
-//!   flat typed struct (the oracle): same class (ok / 400 / 422) and the same
-//!   values. The oracle's class: not valid JSON (`serde_json::Value` rejects
-//!   it) -> syntax; else serde's typed error category.
+//!   typed struct with the prompt group flattened, as the reference declares
+//!   it (the oracle): same class (ok / 400 / 422) and the same values. The
+//!   oracle's class is serde's category of the first error serde_json meets
+//!   reading the body into that struct; trailing bytes after a valid body
+//!   are a syntax error (kvselect's one deliberate difference).
 //! - [`fuzz_body`]: any body kind must not panic, must return an error whose
 //!   position is inside the body, and the scalar and AVX2 token loops must
 //!   agree exactly.
@@ -263,19 +265,22 @@ fn override_ok(o: &RefOverride) -> bool {
 /// the prompt group `#[serde(flatten)]`ed (so the top level is a map only,
 /// and the prompt fields are read from serde's buffered content, where a
 /// struct given as a too-long sequence is a shape error, not a syntax one).
+/// The reference's verdict: serde_json straight into the typed struct, so
+/// the first error in reading order decides (a shape error before a later
+/// syntax error stays a shape error; the flattened prompt group's shape
+/// errors come after the whole object). Trailing bytes after a valid body
+/// are kvselect's one deliberate difference: a syntax error.
 fn reference(body: &[u8]) -> Result<RefSelectFlatten, ErrorClass> {
-    if serde_json::from_slice::<serde_json::Value>(body).is_err() {
-        return Err(ErrorClass::Syntax);
-    }
-    match serde_json::from_slice::<RefSelectFlatten>(body) {
-        Ok(r) => match &r.router_config_override {
-            Some(o) if !override_ok(o) => Err(ErrorClass::Shape),
-            _ => Ok(r),
-        },
-        Err(e) => Err(match e.classify() {
-            serde_json::error::Category::Data => ErrorClass::Shape,
-            _ => ErrorClass::Syntax,
-        }),
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let class = |e: serde_json::Error| match e.classify() {
+        serde_json::error::Category::Data => ErrorClass::Shape,
+        _ => ErrorClass::Syntax,
+    };
+    let r = RefSelectFlatten::deserialize(&mut de).map_err(class)?;
+    de.end().map_err(|_| ErrorClass::Syntax)?;
+    match &r.router_config_override {
+        Some(o) if !override_ok(o) => Err(ErrorClass::Shape),
+        _ => Ok(r),
     }
 }
 

@@ -59,6 +59,35 @@ impl Parser {
         Ok(true)
     }
 
+    /// [`Parser::prompt_field`] as the reference orders its errors. The
+    /// reference buffers the prompt group's fields while it reads the
+    /// object (checking only their JSON syntax) and converts them after the
+    /// object's `}` and after the other fields' missing-field checks. So a
+    /// prompt field's shape error is kept in `deferred` (the first one
+    /// wins), the value is read again for its syntax only, and the caller
+    /// goes on: any error of a later field, of the object's syntax or a
+    /// missing field comes first, and [`deferred_or`] reports the kept one
+    /// at the end.
+    pub(super) fn prompt_or_defer<'a>(
+        &self,
+        cur: &mut Cur<'a>,
+        k: &Key<'a>,
+        p: &mut Prompt<'a>,
+        set: &mut u64,
+        deferred: &mut Option<Box<failure::Fail>>,
+    ) -> PResult<bool> {
+        let at = cur.mark();
+        match self.prompt_field(cur, k, p, set) {
+            Err(e) if e.flattened => {
+                cur.reset(at);
+                skip(cur, k)?;
+                deferred.get_or_insert(e);
+                Ok(true)
+            }
+            r => r,
+        }
+    }
+
     pub(super) fn opt_hashes(&self, cur: &mut Cur<'_>) -> PResult<Option<Pooled<u64>>> {
         if cur.null()? {
             return Ok(None);
@@ -162,7 +191,7 @@ impl Parser {
                             seen(cur, &mut set, 6, &k, "track_prefill_tokens")?;
                             o.track_prefill_tokens = opt_bool(cur).key("track_prefill_tokens")?;
                         }
-                        _ => skip(cur, &k)?,
+                        _ => skip_ignored(cur, &k)?,
                     }
                     Ok(())
                 })?;
@@ -416,7 +445,7 @@ pub(super) fn session_context<'a>(cur: &mut Cur<'a>) -> PResult<Option<SessionCo
                         seen(cur, &mut set, 4, &k, "agent_headers")?;
                         headers(cur).key("agent_headers")?;
                     }
-                    _ => skip(cur, &k)?,
+                    _ => skip_ignored(cur, &k)?,
                 }
                 Ok(())
             })?;
@@ -483,7 +512,7 @@ pub(super) fn worker_rank(
                         seen(cur, &mut set, 1, &k, "dp_rank")?;
                         rank = rank_val(cur).key("dp_rank")?;
                     }
-                    _ => skip(cur, &k)?,
+                    _ => skip_ignored(cur, &k)?,
                 }
                 Ok(())
             })?;
@@ -542,7 +571,7 @@ pub(super) fn routing_constraints<'a>(
                         seen(cur, &mut set, 1, &k, "preferred_taints")?;
                         preferred(cur, &mut rc.preferred_taints).key("preferred_taints")?;
                     }
-                    _ => skip(cur, &k)?,
+                    _ => skip_ignored(cur, &k)?,
                 }
                 Ok(())
             })?;

@@ -30,6 +30,19 @@ fn seen(cur: &Cur<'_>, set: &mut u64, bit: u32, key: &Key<'_>, name: &str) -> PR
     Ok(())
 }
 
+/// The end of a body with the flattened prompt group: its first deferred
+/// prompt error ([`Parser::prompt_or_defer`]), placed after the top-level
+/// object's `}` where the reference reports it, or the parsed view.
+fn deferred_or<T>(cur: &Cur<'_>, deferred: Option<Box<failure::Fail>>, v: T) -> PResult<T> {
+    match deferred {
+        None => Ok(v),
+        Some(mut e) => {
+            e.offset = cur.i;
+            Err(e)
+        }
+    }
+}
+
 #[cold]
 fn missing(cur: &Cur<'_>, name: &str) -> Box<failure::Fail> {
     cur.shape(cur.i, format!("missing field `{name}`"))
@@ -293,10 +306,28 @@ fn object<'a>(
     Ok(())
 }
 
-/// Skips an unknown field's value, naming it in a syntax error's path.
+/// Skips an unknown field's value in an object the reference buffers
+/// (the top level of a body with the flattened prompt group, and the prompt
+/// group's own values): a syntax error's path goes down into the value.
 #[inline]
 fn skip(cur: &mut Cur<'_>, k: &Key<'_>) -> PResult<()> {
     cur.skip_value().key_with(|| k.text())
+}
+
+/// Skips an unknown field's value in an object the reference reads straight
+/// into a struct (serde's `IgnoredAny`): a syntax error's path ends at the
+/// field's name, as serde_path_to_error tracks nothing inside it, and its
+/// strings are checked leniently ([`Cur::lenient`]).
+#[inline]
+fn skip_ignored(cur: &mut Cur<'_>, k: &Key<'_>) -> PResult<()> {
+    cur.lenient = true;
+    let r = cur.skip_value();
+    cur.lenient = false;
+    r.map_err(|mut e| {
+        e.segs.clear();
+        e.segs.push(failure::Seg::Key(k.text()));
+        e
+    })
 }
 
 trait KeyWith<T> {
@@ -322,8 +353,9 @@ use workers::worker_fields;
 
 impl Parser {
     /// Runs a body visitor, then requires only whitespace after the value.
-    /// On a shape error the whole body is re-validated: invalid JSON anywhere
-    /// makes it a syntax error instead.
+    /// An error is the first one in the order the reference meets it (see
+    /// [`Parser::prompt_or_defer`] for the prompt group's); trailing bytes
+    /// are checked only after a body that parsed.
     fn run<'a, T>(
         &self,
         body: &'a [u8],
@@ -346,27 +378,7 @@ impl Parser {
             None => Ok(v),
             Some(_) => Err(cur.syntax_here("trailing characters")),
         });
-        res.map_err(|e| self.finish_error(body, *e))
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn finish_error(&self, body: &[u8], e: failure::Fail) -> ParseError {
-        if e.class != ErrorClass::Shape {
-            return e.finish(body, None);
-        }
-        let mut v = Cur::new(body, self.limits.max_depth);
-        let checked = v.skip_value().and_then(|_| {
-            let end = v.i;
-            match v.ws() {
-                None => Ok(end),
-                Some(_) => Err(v.syntax_here("trailing characters")),
-            }
-        });
-        match checked {
-            Ok(end) => e.finish(body, Some(end)),
-            Err(se) => se.finish(body, None),
-        }
+        res.map_err(|e| (*e).finish(body))
     }
 
     /// POST /select and /select_and_reserve (§4.8, §4.9).
@@ -394,9 +406,10 @@ impl Parser {
             let mut set = 0u64;
             let mut pset = 0u64;
             let mut first = true;
+            let mut deferred = None;
             while let Some(k) = cur.next_key(first)? {
                 first = false;
-                if self.prompt_field(cur, &k, &mut r.prompt, &mut pset)? {
+                if self.prompt_or_defer(cur, &k, &mut r.prompt, &mut pset, &mut deferred)? {
                     continue;
                 }
                 macro_rules! field {
@@ -473,7 +486,7 @@ impl Parser {
                     _ => skip(cur, &k)?,
                 }
             }
-            Ok(r)
+            deferred_or(cur, deferred, r)
         })
     }
 
@@ -494,9 +507,10 @@ impl Parser {
             let mut set = 0u64;
             let mut pset = 0u64;
             let mut first = true;
+            let mut deferred = None;
             while let Some(k) = cur.next_key(first)? {
                 first = false;
-                if self.prompt_field(cur, &k, &mut r.prompt, &mut pset)? {
+                if self.prompt_or_defer(cur, &k, &mut r.prompt, &mut pset, &mut deferred)? {
                     continue;
                 }
                 macro_rules! field {
@@ -543,7 +557,7 @@ impl Parser {
                 }
             }
             r.selection_id = sid.ok_or_else(|| missing(cur, "selection_id"))?;
-            Ok(r)
+            deferred_or(cur, deferred, r)
         })
     }
 
@@ -559,7 +573,7 @@ impl Parser {
                         seen(cur, &mut set, 0, &k, "decay_fraction")?;
                         r.decay_fraction = opt_f64(cur, "f64").key("decay_fraction")?;
                     }
-                    _ => skip(cur, &k)?,
+                    _ => skip_ignored(cur, &k)?,
                 }
                 Ok(())
             })?;
@@ -593,9 +607,10 @@ impl Parser {
             let mut set = 0u64;
             let mut pset = 0u64;
             let mut first = true;
+            let mut deferred = None;
             while let Some(k) = cur.next_key(first)? {
                 first = false;
-                if self.prompt_field(cur, &k, &mut r.prompt, &mut pset)? {
+                if self.prompt_or_defer(cur, &k, &mut r.prompt, &mut pset, &mut deferred)? {
                     continue;
                 }
                 match &*k.bytes {
@@ -615,7 +630,7 @@ impl Parser {
                     _ => skip(cur, &k)?,
                 }
             }
-            Ok(r)
+            deferred_or(cur, deferred, r)
         })
     }
 
@@ -642,7 +657,7 @@ impl Parser {
                         seen(cur, &mut set, 0, &k, "endpoint")?;
                         ep = Some(cur.str_val().key("endpoint")?);
                     }
-                    _ => skip(cur, &k)?,
+                    _ => skip_ignored(cur, &k)?,
                 }
                 Ok(())
             })?;

@@ -10,9 +10,9 @@ pub(super) fn worker_fields(cur: &mut Cur<'_>, upsert: bool) -> PResult<WorkerFi
     top_object(
         cur,
         if upsert {
-            "UpsertWorkerRequest"
+            "WorkerRequest"
         } else {
-            "PatchWorkerRequest"
+            "WorkerPatchRequest"
         },
     )?;
     let mut w = WorkerFields::default();
@@ -145,7 +145,7 @@ pub(super) fn worker_fields(cur: &mut Cur<'_>, upsert: bool) -> PResult<WorkerFi
                 w.kv_transfer_preferred_weight,
                 opt_f64(cur, "f32").map(|o| o.map(|v| v as f32))
             ),
-            _ => skip(cur, &k)?,
+            _ => skip_ignored(cur, &k)?,
         }
         Ok(())
     })?;
