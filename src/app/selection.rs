@@ -301,6 +301,7 @@ impl App {
             req.routing_group.as_ref(),
             req.router_config_override.as_ref(),
         )?;
+        check_free_id(self, req, kind)?;
         let prompt = self.normalize(&req.prompt, &view, &cfg, true)?;
         let choice = self.choose(req, &model, &group, &view, &cfg, &prompt, check_busy)?;
         let bs = view.partition.block_size;
@@ -429,6 +430,7 @@ impl App {
         prompt: &Normalized,
         check_busy: bool,
     ) -> Result<Choice, ServiceError> {
+        check_pinned(req, view)?;
         let constraints = req.routing_constraints.as_ref();
         let mut candidates: Vec<&RankInfo> = view
             .ranks
@@ -645,4 +647,53 @@ pub(super) fn overlap_in(hits: &[(WorkerRank, Overlap)], wr: WorkerRank) -> Over
     hits.binary_search_by_key(&wr, |(w, _)| *w)
         .map(|i| hits[i].1)
         .unwrap_or_default()
+}
+
+/// The check the reference makes once it found the partition, before the
+/// prompt's and the targets' (so 409 comes before their 400s and before 503
+/// `no endpoints available to route work`): a booking's id must be free
+/// (booking checks again, for a race).
+fn check_free_id(app: &App, req: &SelectRequest<'_>, kind: SelectKind) -> Result<(), ServiceError> {
+    if let (SelectKind::SelectAndReserve, Some(id)) = (kind, req.selection_id.as_deref()) {
+        if app.ledger.is_booked(id) {
+            return Err(super::reservations::reserve_error(
+                crate::reserve::ReserveError::Duplicate,
+                id,
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A pinned worker must be in the request's allowed set (400 otherwise),
+/// which is, as the reference builds it, the `affinity_target`'s worker when
+/// that target is a rank of the partition within `allowed_worker_ids`, else
+/// `allowed_worker_ids` (when given, even empty).
+fn check_pinned(req: &SelectRequest<'_>, view: &PartitionView) -> Result<(), ServiceError> {
+    let Some(p) = req.pinned_worker else {
+        return Ok(());
+    };
+    let allowed = |id: u64| {
+        req.allowed_worker_ids
+            .as_ref()
+            .is_none_or(|ids| ids.contains(&id))
+    };
+    let target = req.affinity_target.filter(|t| {
+        allowed(t.worker_id)
+            && view.ranks.iter().any(|r| {
+                r.wr.worker_id == t.worker_id && t.dp_rank.is_none_or(|d| d == r.wr.dp_rank)
+            })
+    });
+    let in_set = match target {
+        Some(t) => t.worker_id == p.worker_id,
+        None => allowed(p.worker_id),
+    };
+    if in_set {
+        Ok(())
+    } else {
+        Err(ServiceError::Invalid(format!(
+            "pinned worker {} is not in allowed worker set",
+            p.worker_id
+        )))
+    }
 }

@@ -513,14 +513,17 @@ impl Server {
                 )
             }
             ["workers"] => not_allowed("GET,HEAD,POST"),
-            ["workers", id] if method == Method::PATCH => {
+            // `/workers/` is no route, as in the reference.
+            ["workers", id] if method == Method::PATCH && !id.is_empty() => {
                 let id = parse_u64(id)?;
                 let body = self.body(req).await?;
                 ok(&app
                     .patch_worker(id, self.parse("worker", || app.parser.worker_patch(&body))?)?)
             }
-            ["workers", id] if method == Method::DELETE => ok(&app.delete_worker(parse_u64(id)?)?),
-            ["workers", _] => not_allowed("PATCH,DELETE"),
+            ["workers", id] if method == Method::DELETE && !id.is_empty() => {
+                ok(&app.delete_worker(parse_u64(id)?)?)
+            }
+            ["workers", id] if !id.is_empty() => not_allowed("PATCH,DELETE"),
             ["select"] if post => {
                 let body = self.body_stream(req).await?;
                 let kind = SelectKind::Select;
@@ -551,14 +554,14 @@ impl Server {
                 app.free_reservation(&percent_decode(id))?;
                 status_ok()
             }
-            ["reservations", id, "prefill_complete"] if !id.is_empty() => {
+            ["reservations", id, "prefill_complete"] => {
                 if !post {
                     return not_allowed("POST");
                 }
                 app.prefill_complete(&percent_decode(id))?;
                 status_ok()
             }
-            ["reservations", id, "output_block"] if !id.is_empty() => {
+            ["reservations", id, "output_block"] => {
                 if !post {
                     return not_allowed("POST");
                 }
@@ -836,17 +839,13 @@ pub fn route_label(path: &str) -> &'static str {
         ["health"] => "/health",
         ["ready"] => "/ready",
         ["workers"] => "/workers",
-        ["workers", _] => "/workers/{worker_id}",
+        ["workers", id] if !id.is_empty() => "/workers/{worker_id}",
         ["select"] => "/select",
         ["select_and_reserve"] => "/select_and_reserve",
         ["reservations"] => "/reservations",
         ["reservations", id] if !id.is_empty() => "/reservations/{selection_id}",
-        ["reservations", id, "prefill_complete"] if !id.is_empty() => {
-            "/reservations/{selection_id}/prefill_complete"
-        }
-        ["reservations", id, "output_block"] if !id.is_empty() => {
-            "/reservations/{selection_id}/output_block"
-        }
+        ["reservations", _, "prefill_complete"] => "/reservations/{selection_id}/prefill_complete",
+        ["reservations", _, "output_block"] => "/reservations/{selection_id}/output_block",
         ["loads"] => "/loads",
         ["potential_loads"] => "/potential_loads",
         ["overlap_scores"] => "/overlap_scores",

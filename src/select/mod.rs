@@ -74,7 +74,9 @@ pub fn effective_prefill_tokens(o: &Overlap, cfg: &RouterConfig, ctx: &CostConte
     ctx.isl_tokens - ctx.isl_tokens.min(cached_tokens(o, cfg, ctx.block_size))
 }
 
-/// The §7.3 cost; lower is better.
+/// The §7.3 cost; lower is better. With prefill tracking off the prefill
+/// term is minus the credit, as the reference has it (§7.3 leaves it out):
+/// the cache still attracts a prompt whose prefill is not counted.
 pub fn cost(c: &CandidateLoad, cfg: &RouterConfig, ctx: &CostContext) -> f64 {
     let bs = ctx.block_size.max(1) as f64;
     let mut device_credit = cfg.overlap_score_credit;
@@ -89,13 +91,17 @@ pub fn cost(c: &CandidateLoad, cfg: &RouterConfig, ctx: &CostContext) -> f64 {
     let credit = device_credit * c.overlap.device as f64
         + cfg.host_cache_hit_weight * c.overlap.host_ext as f64
         + cfg.disk_cache_hit_weight * c.overlap.disk_ext as f64;
-    let raw_prefill = if ctx.track_prefill_tokens {
+    let prefill = if ctx.track_prefill_tokens {
         let cached = cached_tokens(&c.overlap, cfg, ctx.block_size);
-        (c.active_prefill_tokens + ctx.isl_tokens.max(cached)) as f64 / bs
+        let raw_prefill = (c.active_prefill_tokens + ctx.isl_tokens.max(cached)) as f64 / bs;
+        cfg.prefill_load_scale * (raw_prefill - credit).max(0.0)
     } else {
-        0.0
+        // Prefill untracked: the cache still earns its credit, unscaled
+        // (measured against the reference: with 5 blocks of credit, 4 more
+        // decode blocks still win, 5 tie; with prefill_load_scale 2, 7 lose).
+        -credit
     };
-    cfg.prefill_load_scale * (raw_prefill - credit).max(0.0)
+    prefill
         + (c.active_decode_blocks + c.new_blocks) as f64
         + cfg.decode_active_request_weight * c.active_requests as f64
 }
@@ -230,6 +236,47 @@ mod tests {
         };
         assert_eq!(cost(&a, &zero_scale, &c), 9.0);
         assert_eq!(cost(&b, &zero_scale, &c), 8.0);
+    }
+
+    /// Prefill untracked, measured against the reference (bs 16, an
+    /// 11-block prompt): a rank with device 2 + host 4 (credit 5) and d
+    /// decode blocks against an idle rank wins for d = 4, ties at 5, and
+    /// with prefill_load_scale 2 loses at 7 (the credit is not scaled);
+    /// with overlap_score_credit 2 (credit 7) it ties at 7.
+    #[test]
+    fn untracked_prefill_still_credits_the_cache() {
+        let cfg = RouterConfig::default();
+        let c = CostContext {
+            track_prefill_tokens: false,
+            ..ctx(190)
+        };
+        let idle = CandidateLoad {
+            new_blocks: 11,
+            ..Default::default()
+        };
+        let cached = |d: u64| CandidateLoad {
+            overlap: Overlap {
+                device: 2,
+                host_ext: 4,
+                disk_ext: 0,
+            },
+            active_decode_blocks: d,
+            new_blocks: 11,
+            ..Default::default()
+        };
+        assert_eq!(cost(&idle, &cfg, &c), 11.0);
+        assert_eq!(cost(&cached(4), &cfg, &c), 10.0);
+        assert_eq!(cost(&cached(5), &cfg, &c), 11.0);
+        let scaled = RouterConfig {
+            prefill_load_scale: 2.0,
+            ..cfg
+        };
+        assert_eq!(cost(&cached(7), &scaled, &c), 13.0);
+        let credit2 = RouterConfig {
+            overlap_score_credit: 2.0,
+            ..cfg
+        };
+        assert_eq!(cost(&cached(7), &credit2, &c), 11.0);
     }
 
     #[test]
