@@ -383,6 +383,20 @@ fn paths_and_texts_of_skipped_and_unread_keys() {
             r#"{"model_name":"\uZZ"}"#,
             "model_name: invalid escape at line 1 column 21",
         ),
+        // An enum's map form: the variant is checked before the colon, and
+        // named in the path of its value's error.
+        (
+            r#"{"session_context":{"session_id":"s","input_trigger":{"S"}}}"#,
+            "session_context.input_trigger: unknown variant `S`, expected one of `user_message`, `tool_result`, `other` at line 1 column 57",
+        ),
+        (
+            r#"{"session_context":{"session_id":"s","input_trigger":{"other":1}}}"#,
+            "session_context.input_trigger.other: invalid type: integer `1`, expected unit at line 1 column 63",
+        ),
+        (
+            r#"{"session_context":{"session_id":"s","input_trigger":{1}}}"#,
+            "session_context.input_trigger: key must be a string at line 1 column 55",
+        ),
     ] {
         assert_eq!(text(&err(sel(body))), want, "{body}");
     }

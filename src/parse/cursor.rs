@@ -190,17 +190,35 @@ impl<'a> Cur<'a> {
     /// reference's paths have it.
     #[inline]
     pub(crate) fn next_key(&mut self, first: bool) -> PResult<Option<Key<'a>>> {
-        let key = match self.key_start(first) {
-            Ok(Some(())) => self.key_raw().map_err(unknown_key)?,
-            Ok(None) => return Ok(None),
-            Err(e) => return Err(unknown_key(e)),
+        let Some(key) = self.key_only(first).map_err(unknown_key)? else {
+            return Ok(None);
         };
-        match self.ws() {
-            Some(b':') => self.i += 1,
-            None => return Err(self.eof("an object")),
-            Some(_) => return Err(self.syntax_here("expected `:`")),
-        }
+        self.colon()?;
         Ok(Some(key))
+    }
+
+    /// [`Cur::next_key`] up to the key's closing quote, without the unknown
+    /// segment on an error (an enum's map form, whose variant name serde
+    /// checks before the colon).
+    #[inline]
+    pub(crate) fn key_only(&mut self, first: bool) -> PResult<Option<Key<'a>>> {
+        match self.key_start(first)? {
+            Some(()) => self.key_raw().map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The `:` after a key.
+    #[inline]
+    pub(crate) fn colon(&mut self) -> PResult<()> {
+        match self.ws() {
+            Some(b':') => {
+                self.i += 1;
+                Ok(())
+            }
+            None => Err(self.eof("an object")),
+            Some(_) => Err(self.syntax_here("expected `:`")),
+        }
     }
 
     /// Up to a key's opening quote: `Some(())` on it, `None` at `}`

@@ -225,6 +225,7 @@ pub struct RefSelectFlatten {
     selection_id: Option<String>,
     session_id: Option<String>,
     session_context: Option<RefSessionContext>,
+    #[serde(default, deserialize_with = "checked_override")]
     router_config_override: Option<RefOverride>,
     expected_output_tokens: Option<u32>,
     priority_jump: Option<f64>,
@@ -247,6 +248,17 @@ impl RefSelectFlatten {
 
 /// The reference's checks on the effective values: the deprecated weight
 /// replaces `prefill_load_scale`, and a weight of 0 zeroes the credit.
+/// `router_config_override` checked as the reference checks it: while it is
+/// read, so its error comes in reading order.
+fn checked_override<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<RefOverride>, D::Error> {
+    match Option::<RefOverride>::deserialize(d)? {
+        Some(o) if !override_ok(&o) => Err(serde::de::Error::custom("override out of range")),
+        o => Ok(o),
+    }
+}
+
 fn override_ok(o: &RefOverride) -> bool {
     let ok = |v: Option<f64>| v.is_none_or(|v| v.is_finite() && v >= 0.0);
     let credit = if o.overlap_score_weight == Some(0.0) {
@@ -278,10 +290,7 @@ fn reference(body: &[u8]) -> Result<RefSelectFlatten, ErrorClass> {
     };
     let r = RefSelectFlatten::deserialize(&mut de).map_err(class)?;
     de.end().map_err(|_| ErrorClass::Syntax)?;
-    match &r.router_config_override {
-        Some(o) if !override_ok(o) => Err(ErrorClass::Shape),
-        _ => Ok(r),
-    }
+    Ok(r)
 }
 
 fn feq(a: Option<f64>, b: Option<f64>) -> bool {

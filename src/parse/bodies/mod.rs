@@ -136,12 +136,16 @@ fn enum_val(cur: &mut Cur<'_>, variants: &[&str]) -> PResult<usize> {
                 // serde_json wants the variant name here, not the `}`.
                 return Err(cur.syntax_here("expected value"));
             }
-            let Some(k) = cur.next_key(true)? else {
+            let Some(k) = cur.key_only(true)? else {
                 return Err(cur.syntax_here("expected value"));
             };
+            // serde checks the variant before the colon, and names it in the
+            // path of an error in its (unit) value.
             let idx = variant(cur, &k.text())?;
-            if !cur.null()? {
-                return Err(cur.wrong_type("unit"));
+            cur.colon()?;
+            let name = variants[idx];
+            if !cur.null().key(name)? {
+                return Err(cur.wrong_type("unit")).key(name);
             }
             match cur.ws() {
                 Some(b'}') => {
