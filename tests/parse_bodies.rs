@@ -325,6 +325,25 @@ fn errors_come_in_the_reference_reading_order() {
             r#"{"model_name":"m","token_ids":[1,false,2,x]}"#,
             "token_ids[3]: expected value at line 1 column 42",
         ),
+        // A duplicate struct field is found before its colon is read (after
+        // the whitespace that follows its name); a prompt field's colon comes
+        // first (the reference buffers the group).
+        (
+            r#"{"allowed_worker_ids":[499],"allowed_worker_ids"[[499]]}"#,
+            "duplicate field `allowed_worker_ids` at line 1 column 48",
+        ),
+        (
+            r#"{"model_name":"a",  "model_name"  "#,
+            "duplicate field `model_name` at line 1 column 34",
+        ),
+        (
+            r#"{"token_ids":[1],"token_ids"[1]}"#,
+            "expected `:` at line 1 column 29",
+        ),
+        (
+            r#"{"session_context":{"session_id":"a","session_id"1}}"#,
+            "session_context: duplicate field `session_id` at line 1 column 49",
+        ),
     ] {
         assert_eq!(text(&err(sel(body))), want, "{body}");
     }

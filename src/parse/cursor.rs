@@ -197,6 +197,14 @@ impl<'a> Cur<'a> {
         Ok(Some(key))
     }
 
+    /// A struct's next field name: [`Cur::next_key`] without the colon,
+    /// which serde reads only after it checked the name for a duplicate
+    /// (`bodies::seen`, or `bodies::skip` for an unknown one).
+    #[inline]
+    pub(crate) fn next_field(&mut self, first: bool) -> PResult<Option<Key<'a>>> {
+        self.key_only(first).map_err(unknown_key)
+    }
+
     /// [`Cur::next_key`] up to the key's closing quote, without the unknown
     /// segment on an error (an enum's map form, whose variant name serde
     /// checks before the colon).

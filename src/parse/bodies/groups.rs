@@ -119,7 +119,7 @@ impl Parser {
         match struct_start(cur, "struct MmRoutingInfoRequest")? {
             Form::Map => {
                 let mut set = 0u64;
-                object(cur, |cur, k| match &*k.bytes {
+                fields(cur, |cur, k| match &*k.bytes {
                     b"routing_token_ids" => {
                         seen(cur, &mut set, 0, &k, "routing_token_ids")?;
                         m.routing_token_ids = Some(tokens(cur).key("routing_token_ids")?);
@@ -160,7 +160,7 @@ impl Parser {
         match struct_start(cur, "struct RouterConfigOverrideSerde")? {
             Form::Map => {
                 let mut set = 0u64;
-                object(cur, |cur, k| {
+                fields(cur, |cur, k| {
                     macro_rules! f64_field {
                         ($bit:expr, $name:literal, $slot:expr) => {{
                             seen(cur, &mut set, $bit, &k, $name)?;
@@ -272,7 +272,7 @@ pub(super) fn block_mm_info(cur: &mut Cur<'_>) -> PResult<Option<Vec<u64>>> {
         Form::Map => {
             let mut objs: Option<Vec<u64>> = None;
             let mut set = 0u64;
-            object(cur, |cur, k| match &*k.bytes {
+            fields(cur, |cur, k| match &*k.bytes {
                 b"mm_objects" => {
                     seen(cur, &mut set, 0, &k, "mm_objects")?;
                     objs = Some(list(cur).key("mm_objects")?);
@@ -303,7 +303,7 @@ pub(super) fn mm_object(cur: &mut Cur<'_>) -> PResult<u64> {
             let mut hash = None;
             let mut offsets = false;
             let mut set = 0u64;
-            object(cur, |cur, k| match &*k.bytes {
+            fields(cur, |cur, k| match &*k.bytes {
                 b"mm_hash" => {
                     seen(cur, &mut set, 0, &k, "mm_hash")?;
                     hash = Some(cur.u64_val("u64").key("mm_hash")?);
@@ -423,7 +423,7 @@ pub(super) fn session_context<'a>(cur: &mut Cur<'a>) -> PResult<Option<SessionCo
         Form::Map => {
             let mut id = None;
             let mut set = 0u64;
-            object(cur, |cur, k| {
+            fields(cur, |cur, k| {
                 match &*k.bytes {
                     b"session_id" => {
                         seen(cur, &mut set, 0, &k, "session_id")?;
@@ -502,7 +502,7 @@ pub(super) fn worker_rank(
             let mut wid = None;
             let mut rank = None;
             let mut set = 0u64;
-            object(cur, |cur, k| {
+            fields(cur, |cur, k| {
                 match &*k.bytes {
                     b"worker_id" => {
                         seen(cur, &mut set, 0, &k, "worker_id")?;
@@ -561,7 +561,7 @@ pub(super) fn routing_constraints<'a>(
     match struct_start(cur, "struct RoutingConstraints")? {
         Form::Map => {
             let mut set = 0u64;
-            object(cur, |cur, k| {
+            fields(cur, |cur, k| {
                 match &*k.bytes {
                     b"required_taints" => {
                         seen(cur, &mut set, 0, &k, "required_taints")?;

@@ -22,12 +22,19 @@ use std::collections::BTreeMap;
 /// Rejects the second occurrence of a field (serde: `duplicate field `x``,
 /// reported just after the key).
 #[inline]
-fn seen(cur: &Cur<'_>, set: &mut u64, bit: u32, key: &Key<'_>, name: &str) -> PResult<()> {
+/// A known field of a struct read with [`fields`]: a duplicate is serde's
+/// error before the colon is read; then the colon.
+fn seen(cur: &mut Cur<'_>, set: &mut u64, bit: u32, key: &Key<'_>, name: &str) -> PResult<()> {
     if *set & (1 << bit) != 0 {
-        return Err(cur.shape(key.end, format!("duplicate field `{name}`")));
+        // Placed after any whitespace that follows the name, as serde_json
+        // places an error it raises there.
+        let at = cur.i;
+        cur.ws();
+        let gap = cur.i - at;
+        return Err(cur.shape(key.end + gap, format!("duplicate field `{name}`")));
     }
     *set |= 1 << bit;
-    Ok(())
+    cur.colon()
 }
 
 /// The end of a body with the flattened prompt group: its first deferred
@@ -310,11 +317,28 @@ fn object<'a>(
     Ok(())
 }
 
+/// The fields of a struct's map form. Unlike a map's entries, the colon is
+/// left to `f`, which must start each field with [`seen`] (a known field)
+/// or [`skip`] / [`skip_ignored`] (an unknown one): serde checks a field's
+/// name for a duplicate before it reads the colon.
+fn fields<'a>(
+    cur: &mut Cur<'a>,
+    mut f: impl FnMut(&mut Cur<'a>, Key<'a>) -> PResult<()>,
+) -> PResult<()> {
+    let mut first = true;
+    while let Some(k) = cur.next_field(first)? {
+        first = false;
+        f(cur, k)?;
+    }
+    Ok(())
+}
+
 /// Skips an unknown field's value in an object the reference buffers
 /// (the top level of a body with the flattened prompt group, and the prompt
 /// group's own values): a syntax error's path goes down into the value.
 #[inline]
 fn skip(cur: &mut Cur<'_>, k: &Key<'_>) -> PResult<()> {
+    cur.colon()?;
     cur.skip_value().key_with(|| k.text())
 }
 
@@ -324,6 +348,7 @@ fn skip(cur: &mut Cur<'_>, k: &Key<'_>) -> PResult<()> {
 /// strings are checked leniently ([`Cur::lenient`]).
 #[inline]
 fn skip_ignored(cur: &mut Cur<'_>, k: &Key<'_>) -> PResult<()> {
+    cur.colon()?;
     cur.lenient = true;
     let r = cur.skip_value();
     cur.lenient = false;
@@ -411,7 +436,7 @@ impl Parser {
             let mut pset = 0u64;
             let mut first = true;
             let mut deferred = None;
-            while let Some(k) = cur.next_key(first)? {
+            while let Some(k) = cur.next_field(first)? {
                 first = false;
                 if self.prompt_or_defer(cur, &k, &mut r.prompt, &mut pset, &mut deferred)? {
                     continue;
@@ -512,7 +537,7 @@ impl Parser {
             let mut pset = 0u64;
             let mut first = true;
             let mut deferred = None;
-            while let Some(k) = cur.next_key(first)? {
+            while let Some(k) = cur.next_field(first)? {
                 first = false;
                 if self.prompt_or_defer(cur, &k, &mut r.prompt, &mut pset, &mut deferred)? {
                     continue;
@@ -571,7 +596,7 @@ impl Parser {
             top_object(cur, "OutputBlockRequest")?;
             let mut r = OutputBlockRequest::default();
             let mut set = 0u64;
-            object(cur, |cur, k| {
+            fields(cur, |cur, k| {
                 match &*k.bytes {
                     b"decay_fraction" => {
                         seen(cur, &mut set, 0, &k, "decay_fraction")?;
@@ -612,7 +637,7 @@ impl Parser {
             let mut pset = 0u64;
             let mut first = true;
             let mut deferred = None;
-            while let Some(k) = cur.next_key(first)? {
+            while let Some(k) = cur.next_field(first)? {
                 first = false;
                 if self.prompt_or_defer(cur, &k, &mut r.prompt, &mut pset, &mut deferred)? {
                     continue;
@@ -655,7 +680,7 @@ impl Parser {
             top_object(cur, "PeerRequest")?;
             let mut ep = None;
             let mut set = 0u64;
-            object(cur, |cur, k| {
+            fields(cur, |cur, k| {
                 match &*k.bytes {
                     b"endpoint" => {
                         seen(cur, &mut set, 0, &k, "endpoint")?;

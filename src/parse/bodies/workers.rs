@@ -18,7 +18,7 @@ pub(super) fn worker_fields(cur: &mut Cur<'_>, upsert: bool) -> PResult<WorkerFi
     let mut w = WorkerFields::default();
     let mut wid = None;
     let mut set = 0u64;
-    object(cur, |cur, k| {
+    fields(cur, |cur, k| {
         macro_rules! field {
             ($bit:expr, $name:literal, $slot:expr, $e:expr) => {{
                 seen(cur, &mut set, $bit, &k, $name)?;
