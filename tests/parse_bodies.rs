@@ -433,8 +433,14 @@ fn paths_and_texts_of_skipped_and_unread_keys() {
         text(&err(w(br#"{"worker_id":1,"zz":"\uZZ"}"#))),
         "zz: invalid escape at line 1 column 27"
     );
-    // Lone surrogates and invalid UTF-8 in a skipped string pass.
+    // Lone surrogates and invalid UTF-8 in a skipped string pass, and so
+    // does a number beyond f64's range (skipped by its shape).
     assert!(w(br#"{"worker_id":1,"zz":"\ud800x"}"#).is_ok());
+    assert!(w(br#"{"worker_id":1,"zz":[-1.5e999, 1]}"#).is_ok());
+    assert_eq!(
+        text(&err(w(br#"{"worker_id":1,"zz":01}"#))),
+        "zz: invalid number at line 1 column 22"
+    );
     assert!(w(b"{\"worker_id\":1,\"zz\":{\"\xff\":\"\xfe\"}}").is_ok());
     assert_eq!(
         text(&err(w(br#""x""#))),
