@@ -307,14 +307,9 @@ fn after_value_offset(cur: &Cur<'_>) -> usize {
 /// Iterates an object's entries: `f(cur, key)` must consume the value.
 fn object<'a>(
     cur: &mut Cur<'a>,
-    mut f: impl FnMut(&mut Cur<'a>, Key<'a>) -> PResult<()>,
+    f: impl FnMut(&mut Cur<'a>, Key<'a>) -> PResult<()>,
 ) -> PResult<()> {
-    let mut first = true;
-    while let Some(k) = cur.next_key(first)? {
-        first = false;
-        f(cur, k)?;
-    }
-    Ok(())
+    entries(cur, Cur::next_key, f)
 }
 
 /// The fields of a struct's map form. Unlike a map's entries, the colon is
@@ -323,10 +318,19 @@ fn object<'a>(
 /// name for a duplicate before it reads the colon.
 fn fields<'a>(
     cur: &mut Cur<'a>,
+    f: impl FnMut(&mut Cur<'a>, Key<'a>) -> PResult<()>,
+) -> PResult<()> {
+    entries(cur, Cur::next_field, f)
+}
+
+/// The loop of [`object`] and [`fields`], with their way to read a key.
+fn entries<'a>(
+    cur: &mut Cur<'a>,
+    next: fn(&mut Cur<'a>, bool) -> PResult<Option<Key<'a>>>,
     mut f: impl FnMut(&mut Cur<'a>, Key<'a>) -> PResult<()>,
 ) -> PResult<()> {
     let mut first = true;
-    while let Some(k) = cur.next_field(first)? {
+    while let Some(k) = next(cur, first)? {
         first = false;
         f(cur, k)?;
     }
