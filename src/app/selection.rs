@@ -482,9 +482,7 @@ impl App {
             let steered: Vec<&RankInfo> = candidates
                 .iter()
                 .copied()
-                .filter(|r| {
-                    r.wr.worker_id == worker_id && dp_rank.is_none_or(|d| d == r.wr.dp_rank)
-                })
+                .filter(|r| is_target(r, worker_id, dp_rank))
                 .collect();
             if !steered.is_empty() {
                 candidates = steered;
@@ -680,9 +678,10 @@ fn check_pinned(req: &SelectRequest<'_>, view: &PartitionView) -> Result<(), Ser
     };
     let target = req.affinity_target.filter(|t| {
         allowed(t.worker_id)
-            && view.ranks.iter().any(|r| {
-                r.wr.worker_id == t.worker_id && t.dp_rank.is_none_or(|d| d == r.wr.dp_rank)
-            })
+            && view
+                .ranks
+                .iter()
+                .any(|r| is_target(r, t.worker_id, t.dp_rank))
     });
     let in_set = match target {
         Some(t) => t.worker_id == p.worker_id,
@@ -696,4 +695,9 @@ fn check_pinned(req: &SelectRequest<'_>, view: &PartitionView) -> Result<(), Ser
             p.worker_id
         )))
     }
+}
+
+/// Is `r` the steering target (a worker, and its rank when given)?
+fn is_target(r: &RankInfo, worker_id: u64, dp_rank: Option<u32>) -> bool {
+    r.wr.worker_id == worker_id && dp_rank.is_none_or(|d| d == r.wr.dp_rank)
 }

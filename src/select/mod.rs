@@ -96,9 +96,8 @@ pub fn cost(c: &CandidateLoad, cfg: &RouterConfig, ctx: &CostContext) -> f64 {
         let raw_prefill = (c.active_prefill_tokens + ctx.isl_tokens.max(cached)) as f64 / bs;
         cfg.prefill_load_scale * (raw_prefill - credit).max(0.0)
     } else {
-        // Prefill untracked: the cache still earns its credit, unscaled
-        // (measured against the reference: with 5 blocks of credit, 4 more
-        // decode blocks still win, 5 tie; with prefill_load_scale 2, 7 lose).
+        // Untracked: the credit alone, unscaled (the test below has the
+        // reference's measured cases).
         -credit
     };
     prefill
