@@ -717,6 +717,121 @@ fn worker_upsert_and_patch() {
     assert_eq!(p.worker_patch(b"{}").unwrap(), WorkerFields::default());
 }
 
+/// `kv_events_endpoints` keys are read as serde_json reads a numeric map key:
+/// the number straight after the quote, its shape checked before its closing
+/// quote and the colon. The texts are Dynamo 1.6.1's for the same bodies.
+#[test]
+fn rank_keys_read_in_the_reference_order() {
+    use ErrorClass::{Shape, Syntax};
+    let p = parser();
+    let cases: &[(&str, ErrorClass, &str)] = &[
+        (
+            r#"{"x" "tcp://a:1"}}"#,
+            Syntax,
+            r#"kv_events_endpoints.?: invalid value: expected key to be a number in quotes at line 1 column 78"#,
+        ),
+        (
+            r#"{"4294967296" "tcp://a:1"}}"#,
+            Shape,
+            r#"kv_events_endpoints.4294967296: invalid value: integer `4294967296`, expected u32 at line 1 column 88"#,
+        ),
+        (
+            r#"{"1.5" 5}}"#,
+            Shape,
+            r#"kv_events_endpoints.?: invalid type: floating point `1.5`, expected u32 at line 1 column 81"#,
+        ),
+        (
+            r#"{"1" 5}}"#,
+            Syntax,
+            r#"kv_events_endpoints: expected `:` at line 1 column 82"#,
+        ),
+        (
+            r#"{"1x": 5}}"#,
+            Syntax,
+            r#"kv_events_endpoints.1: expected `"` at line 1 column 80"#,
+        ),
+        (
+            r#"{"12""#,
+            Syntax,
+            r#"kv_events_endpoints: EOF while parsing an object at line 1 column 81"#,
+        ),
+        (
+            r#"{"01": 5}}"#,
+            Syntax,
+            r#"kv_events_endpoints.?: invalid number at line 1 column 80"#,
+        ),
+        (
+            r#"{"-": 5}}"#,
+            Syntax,
+            r#"kv_events_endpoints.?: invalid number at line 1 column 80"#,
+        ),
+        (
+            r#"{"-5x": 5}}"#,
+            Shape,
+            r#"kv_events_endpoints.-5: invalid value: integer `-5`, expected u32 at line 1 column 80"#,
+        ),
+        (
+            r#"{"99999999999999999999": 5}}"#,
+            Shape,
+            r#"kv_events_endpoints.?: invalid type: floating point `1e+20`, expected u32 at line 1 column 98"#,
+        ),
+        (
+            r#"{"3": 5}}"#,
+            Shape,
+            r#"kv_events_endpoints.3: invalid type: integer `5`, expected a string at line 1 column 83"#,
+        ),
+        (
+            r#"{"\u0031": "x"}}"#,
+            Syntax,
+            r#"kv_events_endpoints.?: invalid value: expected key to be a number in quotes at line 1 column 78"#,
+        ),
+        (
+            r#"{"-0": "x"}}"#,
+            Shape,
+            r#"kv_events_endpoints.?: invalid type: floating point `-0.0`, expected u32 at line 1 column 80"#,
+        ),
+        (
+            r#"{"1"#,
+            Syntax,
+            r#"kv_events_endpoints.1: expected `"` at line 1 column 79"#,
+        ),
+        (
+            r#"{"-"#,
+            Syntax,
+            r#"kv_events_endpoints.?: EOF while parsing a value at line 1 column 79"#,
+        ),
+        (
+            r#"{""#,
+            Syntax,
+            r#"kv_events_endpoints.?: invalid value: expected key to be a number in quotes at line 1 column 78"#,
+        ),
+        (
+            r#"{"1e""#,
+            Syntax,
+            r#"kv_events_endpoints.?: invalid number at line 1 column 81"#,
+        ),
+        (
+            r#"{"2": "a",}}"#,
+            Syntax,
+            r#"kv_events_endpoints.?: trailing comma at line 1 column 87"#,
+        ),
+    ];
+    let pre = r#"{"worker_id":7,"model_name":"m","endpoint":"http://w","kv_events_endpoints":"#;
+    for (tail, class, want) in cases {
+        let body = format!("{pre}{tail}");
+        let e = p.worker_upsert(body.as_bytes()).unwrap_err();
+        assert_eq!((e.class, text(&e).as_str()), (*class, *want), "{body}");
+    }
+    let w = p
+        .worker_upsert(format!(r#"{pre}{{"2": "a", "2": "b", "0":"c"}}}}"#).as_bytes())
+        .unwrap();
+    let eps = w.kv_events_endpoints.unwrap();
+    assert_eq!(
+        (eps[&2].as_str(), eps[&0].as_str(), eps.len()),
+        ("b", "c", 2)
+    );
+}
+
 #[test]
 fn positions_count_lines_like_serde() {
     let e = err(sel("{\n  \"model_name\": 5\n}"));

@@ -205,6 +205,16 @@ impl<'a> Cur<'a> {
         self.key_only(first).map_err(unknown_key)
     }
 
+    /// A map's next key up to its opening quote (`true`, the cursor on the
+    /// quote) or its end (`false`, `}` consumed), for keys read in place
+    /// (numeric keys). Errors carry the unknown segment.
+    #[inline]
+    pub(crate) fn map_key_start(&mut self, first: bool) -> PResult<bool> {
+        self.key_start(first)
+            .map(|k| k.is_some())
+            .map_err(unknown_key)
+    }
+
     /// [`Cur::next_key`] up to the key's closing quote, without the unknown
     /// segment on an error (an enum's map form, whose variant name serde
     /// checks before the colon).

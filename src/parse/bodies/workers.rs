@@ -155,58 +155,70 @@ pub(super) fn worker_fields(cur: &mut Cur<'_>, upsert: bool) -> PResult<WorkerFi
     Ok(w)
 }
 
-/// `kv_events_endpoints`: keys are decimal ranks in quotes. A key that is not
-/// a number is a *syntax* error, as in serde_json (`expected key to be a
-/// number in quotes`); a number that is not a u32 is a shape error. Both
-/// carry the `?` path segment serde_path_to_error gives an unparsed key.
+/// `kv_events_endpoints`: keys are decimal ranks in quotes, read as serde_json
+/// reads a numeric map key: the number straight after the opening quote,
+/// then its closing quote, then the colon. A key that does not start like a
+/// number is a *syntax* error (`expected key to be a number in quotes`), as
+/// is a number not closed by its quote; a number that is not a u32 is a
+/// shape error, reported before the closing quote is looked at.
 fn rank_map(cur: &mut Cur<'_>) -> PResult<Option<BTreeMap<u32, String>>> {
     if cur.null()? {
         return Ok(None);
     }
     cur.object_start("a map")?;
     let mut m = BTreeMap::new();
-    object(cur, |cur, k| {
-        let rank = rank_key(cur, &k).key("?")?;
-        let url = cur.str_val().key_with(|| k.text())?;
+    let mut first = true;
+    while cur.map_key_start(first)? {
+        first = false;
+        let rank = rank_key(cur)?;
+        cur.colon()?;
+        let url = cur.str_val().key_with(|| rank.to_string())?;
         m.insert(rank, url.into_owned());
-        Ok(())
-    })?;
+    }
     Ok(Some(m))
 }
 
-fn rank_key(cur: &Cur<'_>, k: &Key<'_>) -> PResult<u32> {
-    // Offset of the key's first content byte (just after its opening quote).
-    let start = k.end - 1 - k.bytes.len();
-    let raw: &[u8] = match &k.bytes {
-        Cow::Borrowed(b) if matches!(b.first(), Some(b'0'..=b'9' | b'-')) => b,
-        _ => {
-            return Err(fail(
-                ErrorClass::Syntax,
-                start,
-                "invalid value: expected key to be a number in quotes",
-            ))
-        }
-    };
-    let mut sub = Cur::new(raw, 1);
-    let shift = |mut e: Box<failure::Fail>| {
-        e.offset += start;
-        e
-    };
-    let n = sub.number().map_err(shift)?;
-    if sub.i != raw.len() {
-        return Err(fail(ErrorClass::Syntax, start + sub.i + 1, "expected `\"`"));
+/// A rank key from its opening quote to just past its closing one. Error
+/// paths end in the key as serde_path_to_error records it: the integer once
+/// one was read (even when it is out of range or its quote is missing), `?`
+/// before that or for a float.
+fn rank_key(cur: &mut Cur<'_>) -> PResult<u32> {
+    cur.i += 1;
+    if !matches!(cur.peek(), Some(b'0'..=b'9' | b'-')) {
+        return Err(fail(
+            ErrorClass::Syntax,
+            cur.i,
+            "invalid value: expected key to be a number in quotes",
+        ))
+        .key("?");
     }
-    let end = k.end;
-    match n {
-        Num::U64(v) => u32::try_from(v)
-            .map_err(|_| cur.shape(end, format!("invalid value: integer `{v}`, expected u32"))),
-        n @ Num::I64(_) => Err(cur.shape(
-            end,
-            format!("invalid value: {}, expected u32", n.unexpected()),
-        )),
-        n @ Num::F64(_) => Err(cur.shape(
-            end,
-            format!("invalid type: {}, expected u32", n.unexpected()),
-        )),
+    let n = cur.number().key("?")?;
+    let end = cur.i;
+    let (rank, seg) = match n {
+        Num::U64(v) => (
+            u32::try_from(v)
+                .map_err(|_| cur.shape(end, format!("invalid value: integer `{v}`, expected u32"))),
+            v.to_string(),
+        ),
+        Num::I64(v) => (
+            Err(cur.shape(
+                end,
+                format!("invalid value: {}, expected u32", n.unexpected()),
+            )),
+            v.to_string(),
+        ),
+        Num::F64(_) => (
+            Err(cur.shape(
+                end,
+                format!("invalid type: {}, expected u32", n.unexpected()),
+            )),
+            "?".to_owned(),
+        ),
+    };
+    let rank = rank.key(&seg)?;
+    if cur.peek() != Some(b'"') {
+        return Err(cur.syntax_here("expected `\"`")).key(&seg);
     }
+    cur.i += 1;
+    Ok(rank)
 }
