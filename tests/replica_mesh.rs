@@ -726,6 +726,8 @@ async fn affinity_target_steers_and_bindings_idle_out() {
             .await;
         assert_eq!(r.json()["worker_id"], 13);
     }
+    // A booking steered by a target binds nothing (measured on Dynamo: the
+    // session's next select goes by cost).
     let r = s
         .post(
             "/select_and_reserve",
@@ -733,16 +735,38 @@ async fn affinity_target_steers_and_bindings_idle_out() {
         )
         .await;
     assert_eq!(r.json()["worker_id"], 12);
-    // Bound now: the session wins even over the target.
+    assert_eq!(s.metric("kvselect_session_bindings").await, 0);
+    // A plain booking binds; then load its worker so that only the binding
+    // keeps the session there.
+    let r = s
+        .post(
+            "/select_and_reserve",
+            &json!({"model_name": "m", "session_id": "T", "token_ids": [1]}),
+        )
+        .await;
+    let w = r.json()["worker_id"].clone();
+    assert_eq!(s.metric("kvselect_session_bindings").await, 1);
+    load_up(&s, &w).await;
+    assert_eq!(picked(&s, Some("T")).await, w);
+    // An explicit target wins over the binding, and with a target the
+    // binding is not followed even when the target is not a candidate.
+    let other = WORKERS.iter().copied().find(|x| json!(x) != w).unwrap();
     let r = s
         .post(
             "/select",
-            &json!({"model_name": "m", "session_id": "T", "affinity_target": {"worker_id": 14}, "token_ids": [1]}),
+            &json!({"model_name": "m", "session_id": "T", "affinity_target": {"worker_id": other}, "token_ids": [1]}),
         )
         .await;
-    assert_eq!(r.json()["worker_id"], 12);
+    assert_eq!(r.json()["worker_id"], other);
+    let r = s
+        .post(
+            "/select",
+            &json!({"model_name": "m", "session_id": "T", "affinity_target": {"worker_id": 99}, "token_ids": [1]}),
+        )
+        .await;
+    assert_eq!(r.status, 200);
+    assert_ne!(r.json()["worker_id"], w);
     // A pinned booking binds nothing (as in Dynamo).
-    assert_eq!(s.metric("kvselect_session_bindings").await, 1);
     let r = s
         .post(
             "/select_and_reserve",
@@ -751,15 +775,7 @@ async fn affinity_target_steers_and_bindings_idle_out() {
         .await;
     assert_eq!(r.json()["worker_id"], 14);
     assert_eq!(s.metric("kvselect_session_bindings").await, 1);
-    // A target that is not a candidate is ignored.
-    let r = s
-        .post(
-            "/select",
-            &json!({"model_name": "m", "affinity_target": {"worker_id": 99}, "token_ids": [1]}),
-        )
-        .await;
-    assert_eq!(r.status, 200);
-    // Idle past the TTL: the cost decides again (12 is busier than 11/14).
+    // Idle past the TTL: the cost decides again (w is the busiest).
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let mut seen = std::collections::BTreeSet::new();
     for _ in 0..10 {
@@ -771,7 +787,7 @@ async fn affinity_target_steers_and_bindings_idle_out() {
             .await;
         seen.insert(r.json()["worker_id"].as_u64().unwrap());
     }
-    assert!(!seen.contains(&12), "{seen:?}");
+    assert!(!seen.contains(&w.as_u64().unwrap()), "{seen:?}");
     // Without the flag session ids are ignored.
     let off = start().await;
     for w in WORKERS {
@@ -788,6 +804,88 @@ async fn affinity_target_steers_and_bindings_idle_out() {
         seen.insert(r.json()["worker_id"].as_u64().unwrap());
     }
     assert!(seen.len() > 1);
+}
+
+/// A booking whose own constraints leave out its session's bound worker is
+/// refused, books nothing and drops the binding, so that the next booking
+/// binds afresh; a `/select` or a pinned booking leaves the binding alone.
+/// The sequence and the texts are Dynamo 1.6.1's, measured.
+#[tokio::test]
+async fn a_booking_that_excludes_its_sessions_worker_is_refused_and_unbinds() {
+    let s = start_with(Config {
+        session_affinity_ttl: Some(Duration::from_secs(60)),
+        ..test_config()
+    })
+    .await;
+    for w in WORKERS {
+        s.worker(w, "m", 16, &unused_endpoint()).await;
+    }
+    let r = s
+        .post(
+            "/select_and_reserve",
+            &json!({"model_name": "m", "session_id": "S", "token_ids": tokens(1, 64)}),
+        )
+        .await;
+    let w = r.json()["worker_id"].as_u64().unwrap();
+    load_up(&s, &json!(w)).await;
+    let other = WORKERS.iter().copied().find(|x| *x != w).unwrap();
+    let loads = s.get("/loads").await.text();
+    // Neither a select nor a pinned booking elsewhere moves the binding.
+    let r = s
+        .post(
+            "/select",
+            &json!({"model_name": "m", "session_id": "S", "allowed_worker_ids": [other], "token_ids": [1]}),
+        )
+        .await;
+    assert_eq!(r.json()["worker_id"], other);
+    let r = s
+        .post(
+            "/select_and_reserve",
+            &json!({"model_name": "m", "selection_id": "p", "session_id": "S", "pinned_worker": {"worker_id": other, "dp_rank": 0}, "token_ids": [1]}),
+        )
+        .await;
+    assert_eq!(r.json()["worker_id"], other);
+    assert_eq!(s.delete("/reservations/p").await.status, 200);
+    assert_eq!(picked(&s, Some("S")).await, json!(w));
+    // The refusal, in either session form.
+    for body in [
+        json!({"model_name": "m", "selection_id": "c", "session_id": "S", "allowed_worker_ids": [other], "token_ids": [1]}),
+        json!({"model_name": "m", "selection_id": "c", "session_context": {"session_id": "S"}, "allowed_worker_ids": [other], "token_ids": [1]}),
+    ] {
+        let r = s.post("/select_and_reserve", &body).await;
+        assert_eq!(r.status, 400);
+        assert_eq!(
+            r.json()["error"],
+            format!("session S is bound to worker {w}, not {other}")
+        );
+        assert_eq!(s.get("/loads").await.text(), loads, "nothing booked");
+        assert_eq!(s.delete("/reservations/c").await.status, 404);
+        assert_eq!(s.metric("kvselect_session_bindings").await, 0, "unbound");
+        assert_ne!(picked(&s, Some("S")).await, json!(w), "the cost decides");
+        // The same booking now succeeds and binds the session afresh.
+        let r = s.post("/select_and_reserve", &body).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["worker_id"], other);
+        assert_eq!(s.delete("/reservations/c").await.status, 200);
+        assert_eq!(picked(&s, Some("S")).await, json!(other));
+        // Back to w for the second round.
+        let r = s
+            .post(
+                "/select_and_reserve",
+                &json!({"model_name": "m", "selection_id": "c", "session_id": "S", "allowed_worker_ids": [w], "token_ids": [1]}),
+            )
+            .await;
+        assert_eq!(r.status, 400, "bound to {other} now: {}", r.text());
+        let r = s
+            .post(
+                "/select_and_reserve",
+                &json!({"model_name": "m", "selection_id": "c", "session_id": "S", "allowed_worker_ids": [w], "token_ids": [1]}),
+            )
+            .await;
+        assert_eq!(r.json()["worker_id"], w);
+        assert_eq!(s.delete("/reservations/c").await.status, 200);
+        assert_eq!(picked(&s, Some("S")).await, json!(w));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

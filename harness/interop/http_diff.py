@@ -25,6 +25,7 @@ Needs pyzmq and msgpack. Uses ports 19431-19432 (HTTP) and 39631-39633 (the
 engines). Exits 1 on any mismatch, printing each.
 """
 import argparse
+import os
 import http.client
 import json
 import random
@@ -172,8 +173,17 @@ class Corpus:
                 {"track_prefill_tokens": False}, {"assume_kv_reuse": True},
                 {"shared_cache_multiplier": 0.5}, {"unknown_key": 1}, {},
             ])
+        if opt() < 0.1:
+            b["session_id"] = self.pick(["sess", "s2", "s3"])
         if opt() < 0.05:
-            b["session_id"] = "sess"
+            c = {"session_id": self.pick(["sess", "s2", "c1"])}
+            if opt() < 0.5:
+                c["parent_session_id"] = self.pick(["sess", "p"])
+            if opt() < 0.3:
+                c["session_final"] = self.pick([True, False])
+            if opt() < 0.3:
+                c["input_trigger"] = self.pick(["user_message", "tool_result", "other"])
+            b["session_context"] = c
         if opt() < 0.03:
             b["priority_jump"] = 1.5
         if not booking and opt() < 0.1:
@@ -316,6 +326,13 @@ def normalise(path, status, body, req):
     if status == 200 and path.startswith("/select_and_reserve") and isinstance(body, dict):
         if not (isinstance(req, dict) and isinstance(req.get("selection_id"), str)):
             body = {k: v for k, v in body.items() if k != "selection_id"}
+    if status == 200 and path.startswith("/select_and_reserve") and isinstance(body, dict) \
+            and isinstance(body.get("sequence_hashes"), list):
+        over = req.get("router_config_override") if isinstance(req, dict) else None
+        reuse = over.get("assume_kv_reuse") if isinstance(over, dict) else None
+        if not (WEIGHTS["reuse"] if reuse is None else reuse):
+            # Random identities: only their number compares.
+            body = dict(body, sequence_hashes=len(body["sequence_hashes"]))
     if status == 200 and isinstance(body, list):
         if path.startswith("/loads"):
             body = [dict(p, loads=sorted(p["loads"], key=lambda r: (r["worker_id"], r["dp_rank"])))
@@ -362,9 +379,26 @@ def documented(kind, method, path, raw, a, b):
     return False, ""
 
 
+# The cost's weights and identity mode (spec 1.2), from the servers'
+# environment (--env) and flags (--server-args).
+WEIGHTS = {"credit": 1.0, "scale": 1.0, "track": True, "reuse": True}
+
+
+SESSION_APART = "a session bound to different targets by an earlier tie"
+
+
+def session_of(req):
+    """The session a request names (`session_context` wins), or None."""
+    ctx = req.get("session_context")
+    if isinstance(ctx, dict) and isinstance(ctx.get("session_id"), str):
+        return ctx["session_id"]
+    sid = req.get("session_id")
+    return sid if isinstance(sid, str) else None
+
+
 def costs(srv, req):
-    """Each candidate's cost (spec 7.3, default config; with prefill
-    untracked, minus the credit) from srv's answers."""
+    """Each candidate's cost (spec 7.3 with WEIGHTS; with prefill untracked,
+    minus the credit) from srv's answers."""
     prompt = {k: v for k, v in req.items() if k in (
         "model_name", "routing_group", "token_ids", "block_hashes", "sequence_hashes",
         "isl_tokens", "lora_name", "cache_salt", "is_eagle", "mm_routing_info",
@@ -378,7 +412,7 @@ def costs(srv, req):
     tiers = {(w["worker_id"], w["dp_rank"]): w for w in o["workers"]}
     active = {(r["worker_id"], r["dp_rank"]): r for part in l for r in part["loads"]}
     out = {}
-    track = not (req.get("router_config_override") or {}).get("track_prefill_tokens") is False
+    track = (req.get("router_config_override") or {}).get("track_prefill_tokens", WEIGHTS["track"])
     mm = (req.get("mm_routing_info") or {}).get("routing_token_ids")
     toks = mm if mm else req.get("token_ids")
     isl = len(toks) if isinstance(toks, list) else req.get("isl_tokens", 0)
@@ -387,11 +421,11 @@ def costs(srv, req):
         t, a = tiers.get(key, {}), active[key]
         dev = t.get("device_blocks", 0)
         host, disk = t.get("host_pinned_extension_blocks", 0), t.get("disk_extension_blocks", 0)
-        credit = dev + 0.75 * host + 0.25 * disk
+        credit = WEIGHTS["credit"] * dev + 0.75 * host + 0.25 * disk
         cached = round((dev + 0.75 * host + 0.25 * disk) * BS)
         if track:
             raw = (a["potential_prefill_tokens"] + max(isl, cached)) / BS
-            prefill = max(0.0, raw - credit)
+            prefill = WEIGHTS["scale"] * max(0.0, raw - credit)
         else:
             prefill = -credit  # measured: the cache keeps its credit, unscaled
         out[key] = prefill + r["potential_decode_blocks"]
@@ -461,18 +495,30 @@ def main():
     ap.add_argument("--bin", default="target/release/kvselect")
     ap.add_argument("--dynamo-python", default="/opt/dynamo-venv/bin/python")
     ap.add_argument("--full", action="store_true", help="print whole request bodies")
+    ap.add_argument("--server-args", default="",
+                    help="extra flags for both servers, e.g. '--session-affinity-ttl-secs 60'")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="environment for both servers (repeatable), e.g. DYN_ROUTER_PREFILL_LOAD_SCALE=2")
     args = ap.parse_args()
+    extra = args.server_args.split()
+    env = dict(os.environ, **dict(e.split("=", 1) for e in args.env))
+    WEIGHTS["credit"] = float(env.get("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", 1.0))
+    WEIGHTS["scale"] = float(env.get("DYN_ROUTER_PREFILL_LOAD_SCALE", 1.0))
+    WEIGHTS["track"] = env.get("DYN_ROUTER_TRACK_PREFILL_TOKENS", "true").lower() != "false"
+    WEIGHTS["reuse"] = (env.get("DYN_ROUTER_ASSUME_KV_REUSE", "true").lower() != "false"
+                        and "--no-router-assume-kv-reuse" not in extra)
 
     ctx = zmq.Context()
     pubs = engines(ctx)
     procs = [
-        subprocess.Popen([args.bin, "--port", str(KV_PORT)],
+        subprocess.Popen([args.bin, "--port", str(KV_PORT), *extra], env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT),
-        subprocess.Popen([args.dynamo_python, "-m", "dynamo.select_service", "--port", str(DY_PORT)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT),
+        subprocess.Popen([args.dynamo_python, "-m", "dynamo.select_service", "--port", str(DY_PORT),
+                          *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT),
     ]
     kv, dy = Server("kvselect", KV_PORT), Server("dynamo", DY_PORT)
     mismatches, listed, ties, sent = [], {}, 0, 0
+    apart = set()  # sessions whose bindings a split tie set apart
     try:
         for s in (kv, dy):
             wait_for(lambda: _ok(s, "GET", "/health"), f"{s.name} /health")
@@ -539,8 +585,19 @@ def main():
                 c = costs(kv, req)
                 ka = (na["worker_id"], na["dp_rank"])
                 kb = (nb["worker_id"], nb["dp_rank"])
+                sess = session_of(req)
                 if c and ka in c and kb in c and abs(c[ka] - c[kb]) < 1e-9 and c[ka] <= min(c.values()) + 1e-9:
                     ties += 1
+                    # The servers now hold different choices under this id
+                    # (a pending selection a later booking replays) and may
+                    # bind the session to different targets: keep both out
+                    # of the rest of the run's comparisons.
+                    if req.get("selection_id") in corpus.booked:
+                        corpus.booked.remove(req["selection_id"])
+                    if sess is not None:
+                        apart.add(sess)
+                elif sess in apart:
+                    listed[SESSION_APART] = listed.get(SESSION_APART, 0) + 1
                 else:
                     mismatches.append((i, kind, method, path, raw, a, b,
                                        f"costs from kvselect's answers {c}, from the reference's {costs(dy, req)}"))

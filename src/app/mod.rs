@@ -358,6 +358,13 @@ impl App {
         }
     }
 
+    /// Drops the session's binding (with session affinity on), locally.
+    fn unbind_session(&self, model: &str, group: &str, session: &str) {
+        if let Some(aff) = &self.affinity {
+            aff.unbind(model, group, session);
+        }
+    }
+
     /// Drops bookings older than the expiry and idle session bindings; the
     /// server calls it periodically.
     pub fn sweep(&self) -> usize {

@@ -88,6 +88,8 @@ pub struct WorkerLoad {
 
 struct Choice {
     wr: WorkerRank,
+    /// The session's binding, when the request's constraints left it out.
+    excluded_binding: Option<WorkerRank>,
     rank: RankInfo,
     /// Why the chosen rank's stream is stale, if it is.
     stale: Option<Stale>,
@@ -309,6 +311,21 @@ impl App {
         let mut identities = prompt.identities;
         let prompt_blocks = identities.len();
         let reserved = kind == SelectKind::SelectAndReserve;
+        if let (true, Some(b), None, Some(session)) = (
+            reserved,
+            choice.excluded_binding,
+            req.pinned_worker,
+            session_of(req),
+        ) {
+            // As the reference: no booking, and the binding is dropped, so
+            // the session's next booking binds afresh (measured: the same
+            // request then succeeds).
+            self.unbind_session(&model, &group, session);
+            return Err(ServiceError::Invalid(format!(
+                "session {session} is bound to worker {}, not {}",
+                b.worker_id, choice.wr.worker_id
+            )));
+        }
         let selection_id: Option<String> = match req.selection_id.as_deref() {
             Some(id) => Some(id.to_string()),
             None if reserved => Some(uuid::Uuid::new_v4().to_string()),
@@ -348,9 +365,13 @@ impl App {
                 },
             )
             .map_err(|e| super::reservations::reserve_error(e, id))?;
-            // A pinned booking binds nothing, as in Dynamo (observed: no
-            // binding message for a pinned booking with a session id).
-            if let (Some(session), None) = (session_of(req), req.pinned_worker) {
+            // A pinned or targeted booking binds nothing, as in Dynamo
+            // (observed: no binding message for a pinned booking with a
+            // session id; a later select of a session booked with an
+            // `affinity_target` goes by cost).
+            if let (Some(session), None, None) =
+                (session_of(req), req.pinned_worker, req.affinity_target)
+            {
                 self.bind_session(&model, &group, session, choice.wr);
             }
         } else if let Some(id) = &selection_id {
@@ -432,26 +453,21 @@ impl App {
     ) -> Result<Choice, ServiceError> {
         check_pinned(req, view)?;
         let constraints = req.routing_constraints.as_ref();
-        let mut candidates: Vec<&RankInfo> = view
-            .ranks
-            .iter()
-            .filter(|r| {
-                req.allowed_worker_ids
-                    .as_ref()
-                    .is_none_or(|ids| ids.contains(&r.wr.worker_id))
-            })
-            .filter(|r| {
-                req.pinned_worker
+        // Does the request's own choice of workers admit this rank?
+        let admitted = |r: &RankInfo| {
+            req.allowed_worker_ids
+                .as_ref()
+                .is_none_or(|ids| ids.contains(&r.wr.worker_id))
+                && req
+                    .pinned_worker
                     .is_none_or(|p| p.worker_id == r.wr.worker_id && p.dp_rank == r.wr.dp_rank)
-            })
-            .filter(|r| {
-                constraints.is_none_or(|c| {
+                && constraints.is_none_or(|c| {
                     c.required_taints
                         .iter()
                         .all(|t| r.taints.iter().any(|have| have == t.as_ref()))
                 })
-            })
-            .collect();
+        };
+        let mut candidates: Vec<&RankInfo> = view.ranks.iter().filter(|r| admitted(r)).collect();
         if candidates.is_empty() {
             return Err(ServiceError::NoCandidates);
         }
@@ -469,15 +485,27 @@ impl App {
                 ));
             }
         }
-        // Steering (§7.6): a bound session goes to its target, else an
-        // `affinity_target`, while that target is a candidate; otherwise
-        // the cost decides (and a booking re-binds the session).
-        let bound = self.affinity.as_ref().and_then(|a| {
-            let s = session_of(req)?;
-            a.lookup(model, group, s, Instant::now())
-                .map(|wr| (wr.worker_id, Some(wr.dp_rank)))
-        });
-        let target = bound.or_else(|| req.affinity_target.map(|t| (t.worker_id, t.dp_rank)));
+        // Steering (§7.6): an `affinity_target` goes first, else a bound
+        // session goes to its target, while that target is a candidate;
+        // otherwise the cost decides. With an `affinity_target` the
+        // session's binding is not looked at (measured on the reference: a
+        // session bound to worker 1 follows `affinity_target` 2, and one to
+        // an unknown worker, by cost).
+        let bound = match req.affinity_target {
+            Some(_) => None,
+            None => self
+                .affinity
+                .as_ref()
+                .and_then(|a| a.lookup(model, group, session_of(req)?, Instant::now())),
+        };
+        // A binding the request's own constraints leave out (the target is
+        // schedulable, but not admitted) makes a booking fail; one to a
+        // worker that left, or that is busy, is simply not followed.
+        let excluded = bound.filter(|b| view.ranks.iter().any(|r| r.wr == *b && !admitted(r)));
+        let target = req
+            .affinity_target
+            .map(|t| (t.worker_id, t.dp_rank))
+            .or(bound.map(|wr| (wr.worker_id, Some(wr.dp_rank))));
         if let Some((worker_id, dp_rank)) = target {
             let steered: Vec<&RankInfo> = candidates
                 .iter()
@@ -565,6 +593,7 @@ impl App {
             load,
             effective_prefill_tokens: select::effective_prefill_tokens(&load.overlap, cfg, &ctx),
             hits,
+            excluded_binding: excluded,
         })
     }
 }

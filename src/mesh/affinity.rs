@@ -118,6 +118,11 @@ impl Affinity {
         Some(Bind { wr, sequence })
     }
 
+    /// Forgets the session's binding.
+    pub fn unbind(&self, model: &str, group: &str, session: &str) {
+        self.map.lock().remove(&key(model, group, session));
+    }
+
     /// A binding from a peer: kept unless ours is newer.
     pub fn apply_remote(
         &self,
