@@ -30,6 +30,7 @@ import http.client
 import json
 import random
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -479,6 +480,12 @@ def applied(s):
     return tiers[(1, True)], tiers[(2, True)], tiers[(3, False)]
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_for(cond, what, timeout=30.0):
     end = time.time() + timeout
     while time.time() < end:
@@ -508,6 +515,11 @@ def main():
     WEIGHTS["reuse"] = (env.get("DYN_ROUTER_ASSUME_KV_REUSE", "true").lower() != "false"
                         and "--no-router-assume-kv-reuse" not in extra)
 
+    # Free ports for this run, so that a second run (or a leftover server)
+    # cannot answer in place of ours.
+    global KV_PORT, DY_PORT
+    KV_PORT, DY_PORT = free_port(), free_port()
+    ENGINE_PORTS.update({w: free_port() for w in ENGINE_PORTS})
     ctx = zmq.Context()
     pubs = engines(ctx)
     procs = [
