@@ -391,6 +391,14 @@ impl RouterConfig {
         if let Some(v) = flag("DYN_ROUTER_ASSUME_KV_REUSE")? {
             c.assume_kv_reuse = v;
         }
+        // The reference's routing without KV events (a cache predicted
+        // from its own routing decisions) is not built here: refuse it
+        // rather than route as if no worker cached anything.
+        if flag("DYN_USE_KV_EVENTS")? == Some(false) {
+            return Err("DYN_USE_KV_EVENTS=false (routing on a cache predicted without KV \
+                        events) is not supported: kvselect routes on the engines' KV events"
+                .to_string());
+        }
         c.queue_threshold = num("DYN_ROUTER_QUEUE_THRESHOLD")?;
         Ok(c)
     }
@@ -769,6 +777,7 @@ pub const DYN_ENV_VARS: &[&str] = &[
     "DYN_ROUTER_ASSUME_KV_REUSE",
     "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS",
     "DYN_ROUTER_QUEUE_THRESHOLD",
+    "DYN_USE_KV_EVENTS",
 ];
 
 #[cfg(test)]
@@ -803,6 +812,18 @@ mod tests {
             (k == "DYN_ROUTER_PREFILL_LOAD_SCALE").then(|| "-1".into())
         });
         assert!(bad.is_err());
+    }
+
+    #[test]
+    fn routing_without_kv_events_is_refused() {
+        let with = |v: &'static str| {
+            RouterConfig::from_env_with(move |k| (k == "DYN_USE_KV_EVENTS").then(|| v.into()))
+        };
+        let e = with("false").unwrap_err();
+        assert!(e.starts_with("DYN_USE_KV_EVENTS=false"), "{e}");
+        assert!(with("0").is_err());
+        assert_eq!(with("true").unwrap(), RouterConfig::default());
+        assert!(with("maybe").unwrap_err().contains("must be a boolean"));
     }
 
     #[test]
