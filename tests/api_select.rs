@@ -374,6 +374,19 @@ async fn assume_kv_reuse_override_books_random_identities() {
         ),
         (Some(0), Some(4))
     );
+    // Given sequence hashes are booked as given (measured on Dynamo 1.6.1:
+    // echoed, and shared with a booking of the same hashes).
+    for id in ["g1", "g2"] {
+        let r = s
+            .post("/select_and_reserve", &json!({"model_name": "r", "selection_id": id,
+                   "pinned_worker": {"worker_id": 1, "dp_rank": 0},
+                   "block_hashes": [11, 12], "sequence_hashes": [1, 2], "isl_tokens": 32,
+                   "router_config_override": {"assume_kv_reuse": false, "track_prefill_tokens": false}}))
+            .await;
+        assert_eq!(seqs(&r.json()), vec![1, 2]);
+    }
+    let row = s.load_row("r", 1, 0).await;
+    assert_eq!(row["potential_decode_blocks"].as_u64(), Some(6), "4 + the 2 shared");
 }
 
 /// §5.5: keyed-xxh3-v1 changes only the booked identities.

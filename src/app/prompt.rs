@@ -169,18 +169,15 @@ impl App {
         if let Some(blocks) = p.block_hashes.as_deref() {
             hash::sequence_hashes(blocks, PUBLIC_SEED, &mut seq_keys);
         }
-        let form = if cfg.assume_kv_reuse {
-            identities.extend_from_slice(seqs);
-            // Given hashes are a chain only if they are the chain of the
-            // given block hashes (a client echoing /select's reply).
-            if !seqs.is_empty() && seqs == &seq_keys[..] {
-                IdentityForm::Chained
-            } else {
-                IdentityForm::Arbitrary
-            }
-        } else {
-            random_identities(seqs.len(), &mut identities);
+        // Given hashes are booked as given, whatever `assume_kv_reuse` says
+        // (measured on the reference: only hashes it derives from tokens
+        // become random). They are a chain only if they are the chain of
+        // the given block hashes (a client echoing /select's reply).
+        identities.extend_from_slice(seqs);
+        let form = if !seqs.is_empty() && seqs == &seq_keys[..] {
             IdentityForm::Chained
+        } else {
+            IdentityForm::Arbitrary
         };
         Ok(Normalized {
             isl_tokens: isl,
