@@ -383,7 +383,7 @@ def documented(kind, method, path, raw, a, b):
 
 # The cost's weights and identity mode (spec 1.2), from the servers'
 # environment (--env) and flags (--server-args).
-WEIGHTS = {"credit": 1.0, "scale": 1.0, "track": True, "reuse": True}
+WEIGHTS = {"credit": 1.0, "scale": 1.0, "track": True, "reuse": True, "decay": 0.0, "active": 0.0}
 
 
 SESSION_APART = "a session bound to different targets by an earlier tie"
@@ -418,19 +418,24 @@ def costs(srv, req):
     mm = (req.get("mm_routing_info") or {}).get("routing_token_ids")
     toks = mm if mm else req.get("token_ids")
     isl = len(toks) if isinstance(toks, list) else req.get("isl_tokens", 0)
+    least = min(active[(r["worker_id"], r["dp_rank"])]["potential_prefill_tokens"] for r in p) if p else 0
     for r in p:
         key = (r["worker_id"], r["dp_rank"])
         t, a = tiers.get(key, {}), active[key]
         dev = t.get("device_blocks", 0)
         host, disk = t.get("host_pinned_extension_blocks", 0), t.get("disk_extension_blocks", 0)
-        credit = WEIGHTS["credit"] * dev + 0.75 * host + 0.25 * disk
+        decay = 1.0
+        if WEIGHTS["decay"] > 0 and isl > 0:
+            extra = (a["potential_prefill_tokens"] - least) / BS
+            decay = 1.0 / (1.0 + WEIGHTS["decay"] * extra / -(-isl // BS))
+        credit = WEIGHTS["credit"] * dev * decay + 0.75 * host + 0.25 * disk
         cached = round((dev + 0.75 * host + 0.25 * disk) * BS)
         if track:
             raw = (a["potential_prefill_tokens"] + max(isl, cached)) / BS
             prefill = WEIGHTS["scale"] * max(0.0, raw - credit)
         else:
             prefill = -credit  # measured: the cache keeps its credit, unscaled
-        out[key] = prefill + r["potential_decode_blocks"]
+        out[key] = prefill + r["potential_decode_blocks"] + WEIGHTS["active"] * a["active_requests"]
     return out
 
 
@@ -512,6 +517,8 @@ def main():
     env = dict(os.environ, **dict(e.split("=", 1) for e in args.env))
     WEIGHTS["credit"] = float(env.get("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", 1.0))
     WEIGHTS["scale"] = float(env.get("DYN_ROUTER_PREFILL_LOAD_SCALE", 1.0))
+    WEIGHTS["decay"] = float(env.get("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY", 0.0))
+    WEIGHTS["active"] = float(env.get("DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT", 0.0))
     WEIGHTS["track"] = env.get("DYN_ROUTER_TRACK_PREFILL_TOKENS", "true").lower() != "false"
     WEIGHTS["reuse"] = (env.get("DYN_ROUTER_ASSUME_KV_REUSE", "true").lower() != "false"
                         and "--no-router-assume-kv-reuse" not in extra)
