@@ -395,9 +395,11 @@ impl RouterConfig {
         // from its own routing decisions) is not built here: refuse it
         // rather than route as if no worker cached anything.
         if flag("DYN_USE_KV_EVENTS")? == Some(false) {
-            return Err("DYN_USE_KV_EVENTS=false (routing on a cache predicted without KV \
+            return Err(
+                "DYN_USE_KV_EVENTS=false (routing on a cache predicted without KV \
                         events) is not supported: kvselect routes on the engines' KV events"
-                .to_string());
+                    .to_string(),
+            );
         }
         c.queue_threshold = num("DYN_ROUTER_QUEUE_THRESHOLD")?;
         Ok(c)

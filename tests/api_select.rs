@@ -386,7 +386,11 @@ async fn assume_kv_reuse_override_books_random_identities() {
         assert_eq!(seqs(&r.json()), vec![1, 2]);
     }
     let row = s.load_row("r", 1, 0).await;
-    assert_eq!(row["potential_decode_blocks"].as_u64(), Some(6), "4 + the 2 shared");
+    assert_eq!(
+        row["potential_decode_blocks"].as_u64(),
+        Some(6),
+        "4 + the 2 shared"
+    );
 }
 
 /// §5.5: keyed-xxh3-v1 changes only the booked identities.

@@ -886,6 +886,40 @@ async fn a_booking_that_excludes_its_sessions_worker_is_refused_and_unbinds() {
         assert_eq!(s.delete("/reservations/c").await.status, 200);
         assert_eq!(picked(&s, Some("S")).await, json!(w));
     }
+    // The replay of a select that went elsewhere: refused, unbound, and the
+    // selection used up.
+    let r = s
+        .post(
+            "/select",
+            &json!({"model_name": "m", "selection_id": "q", "session_id": "S", "allowed_worker_ids": [other], "token_ids": [1]}),
+        )
+        .await;
+    assert_eq!(r.json()["worker_id"], other);
+    let replay = json!({"model_name": "m", "selection_id": "q"});
+    let r = s.post("/reservations", &replay).await;
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        r.json()["error"],
+        format!("session S is bound to worker {w}, not {other}")
+    );
+    assert_eq!(s.metric("kvselect_session_bindings").await, 0);
+    assert_eq!(s.post("/reservations", &replay).await.status, 404);
+    // A targeted select's replay books and binds nothing.
+    let r = s
+        .post(
+            "/select",
+            &json!({"model_name": "m", "selection_id": "q2", "session_id": "S", "affinity_target": {"worker_id": w}, "token_ids": [1]}),
+        )
+        .await;
+    assert_eq!(r.json()["worker_id"], w);
+    let r = s
+        .post(
+            "/reservations",
+            &json!({"model_name": "m", "selection_id": "q2"}),
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(s.metric("kvselect_session_bindings").await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

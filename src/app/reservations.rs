@@ -64,6 +64,23 @@ impl App {
                         view.partition.display()
                     ))
                 })?;
+                // A session bound meanwhile (or all along) to another
+                // schedulable worker: refused and unbound, as a booking
+                // that leaves out the bound worker, and the selection is
+                // used up (measured on the reference: 400, then 404 for the
+                // same id, and the session goes by cost).
+                if let Some(session) = &sel.session_id {
+                    let bound = self.affinity.as_ref().and_then(|a| {
+                        a.lookup(&key.model_name, &key.routing_group, session, Instant::now())
+                    });
+                    if let Some(b) = bound.filter(|b| *b != sel.wr && view.rank(*b).is_some()) {
+                        self.unbind_session(&key.model_name, &key.routing_group, session);
+                        return Ok(Err(ServiceError::Invalid(format!(
+                            "session {session} is bound to worker {}, not {}",
+                            b.worker_id, sel.wr.worker_id
+                        ))));
+                    }
+                }
                 let prefill = if sel.track_prefill_tokens {
                     sel.effective_prefill_tokens
                 } else {
@@ -94,10 +111,11 @@ impl App {
                 if let Some(session) = &sel.session_id {
                     self.bind_session(&key.model_name, &key.routing_group, session, sel.wr);
                 }
-                Ok((sel.wr, rank.endpoint.to_string()))
+                Ok(Ok((sel.wr, rank.endpoint.to_string())))
             });
         match claimed {
-            Ok((wr, endpoint)) => Ok(reservation(key, wr, endpoint)),
+            Ok(Ok((wr, endpoint))) => Ok(reservation(key, wr, endpoint)),
+            Ok(Err(e)) => Err(e),
             Err(ClaimError::Rejected(e)) => Err(e),
             Err(ClaimError::InFlight) => Err(reserve_error(ReserveError::Duplicate, id)),
             Err(ClaimError::Missing) => Err(ServiceError::UnknownSelection(format!(

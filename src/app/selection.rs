@@ -390,9 +390,10 @@ impl App {
                     expected_output_tokens: req.expected_output_tokens,
                     track_prefill_tokens: track,
                     lora_name: req.prompt.lora_name.as_deref().map(str::to_string),
-                    // Its replay binds the session, as a booking would.
-                    session_id: match (&self.affinity, req.pinned_worker) {
-                        (Some(_), None) => session_of(req).map(str::to_string),
+                    // Its replay binds the session, as a booking would (a
+                    // pinned or targeted one binds nothing).
+                    session_id: match (&self.affinity, req.pinned_worker, req.affinity_target) {
+                        (Some(_), None, None) => session_of(req).map(str::to_string),
                         _ => None,
                     },
                 },
