@@ -868,20 +868,12 @@ async fn a_booking_that_excludes_its_sessions_worker_is_refused_and_unbinds() {
         assert_eq!(r.json()["worker_id"], other);
         assert_eq!(s.delete("/reservations/c").await.status, 200);
         assert_eq!(picked(&s, Some("S")).await, json!(other));
-        // Back to w for the second round.
-        let r = s
-            .post(
-                "/select_and_reserve",
-                &json!({"model_name": "m", "selection_id": "c", "session_id": "S", "allowed_worker_ids": [w], "token_ids": [1]}),
-            )
-            .await;
-        assert_eq!(r.status, 400, "bound to {other} now: {}", r.text());
-        let r = s
-            .post(
-                "/select_and_reserve",
-                &json!({"model_name": "m", "selection_id": "c", "session_id": "S", "allowed_worker_ids": [w], "token_ids": [1]}),
-            )
-            .await;
+        // Back to w for the second round: refused once (bound to other
+        // now), then bound.
+        let back = json!({"model_name": "m", "selection_id": "c", "session_id": "S", "allowed_worker_ids": [w], "token_ids": [1]});
+        let r = s.post("/select_and_reserve", &back).await;
+        assert_eq!(r.status, 400, "{}", r.text());
+        let r = s.post("/select_and_reserve", &back).await;
         assert_eq!(r.json()["worker_id"], w);
         assert_eq!(s.delete("/reservations/c").await.status, 200);
         assert_eq!(picked(&s, Some("S")).await, json!(w));
