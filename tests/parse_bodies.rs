@@ -269,6 +269,21 @@ fn syntax_errors_are_400() {
 #[test]
 fn errors_come_in_the_reference_reading_order() {
     for (body, want) in [
+        // An offsets pair of more than two elements is read from the
+        // prompt group's buffer: a shape error, counted and deferred
+        // (a select_differential finding; texts measured on Dynamo 1.6.1).
+        (
+            r#"{"token_ids":[1,2],"mm_routing_info":[[5,6],[null,[[[7,[[0,888,8]]]]]]]}"#,
+            "invalid length 3, expected 2 elements in sequence at line 1 column 72",
+        ),
+        (
+            r#"{"token_ids":[1,2],"block_mm_infos":[null,{"mm_objects":[{"mm_hash":7,"offsets":[[0,1,2,"x",[3]]]}]}]}"#,
+            "invalid length 5, expected 2 elements in sequence at line 1 column 102",
+        ),
+        (
+            r#"{"token_ids":[1,2],"block_mm_infos":[null,{"mm_objects":[{"mm_hash":7,"offsets":[[0,1,tru]]}]}]}"#,
+            "block_mm_infos[1].mm_objects[0].offsets[0][2]: expected ident at line 1 column 90",
+        ),
         (
             r#"{"model_name":5, "x": tru}"#,
             "model_name: invalid type: integer `5`, expected a string at line 1 column 15",

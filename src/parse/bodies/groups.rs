@@ -357,9 +357,27 @@ pub(super) fn offset_pairs(cur: &mut Cur<'_>) -> PResult<()> {
                         return Err(cur.syntax_here("trailing comma"));
                     }
                     if len == 2 {
-                        // serde_json's tuple visitor stops after two elements
-                        // and then finds more: a syntax error there.
-                        return Err(cur.syntax_here("trailing characters"));
+                        // The prompt group is read from serde's buffered
+                        // `Content`: the tuple visitor stops after two
+                        // elements and the buffered sequence's end counts
+                        // the rest, a shape error (measured on the
+                        // reference: `invalid length 3, expected 2 elements
+                        // in sequence`).
+                        let mut total = len;
+                        loop {
+                            if cur.peek() == Some(b']') {
+                                return Err(cur.syntax_here("trailing comma"));
+                            }
+                            cur.skip_value().index(total)?;
+                            total += 1;
+                            if !cur.array_next()? {
+                                break;
+                            }
+                        }
+                        return Err(cur.shape(
+                            cur.i,
+                            format!("invalid length {total}, expected 2 elements in sequence"),
+                        ));
                     }
                     cur.u64_val("usize").index(len)?;
                     len += 1;
