@@ -285,6 +285,10 @@ fn errors_come_in_the_reference_reading_order() {
             "block_mm_infos[1].mm_objects[0].offsets[0][2]: expected ident at line 1 column 90",
         ),
         (
+            r#"{"token_ids":[1,2],"block_mm_infos":[null,{"mm_objects":[[7,[[0,1]],tru]]}]}"#,
+            "block_mm_infos[1].mm_objects[0][2]: expected ident at line 1 column 72",
+        ),
+        (
             r#"{"model_name":5, "x": tru}"#,
             "model_name: invalid type: integer `5`, expected a string at line 1 column 15",
         ),

@@ -358,11 +358,24 @@ impl App {
         }
     }
 
-    /// Drops the session's binding (with session affinity on), locally.
-    fn unbind_session(&self, model: &str, group: &str, session: &str) {
+    /// A booking of `chosen` for a session bound to `bound` elsewhere: the
+    /// reference refuses it and drops the binding (here, locally), so that
+    /// the session's next booking binds afresh.
+    fn refuse_bound_elsewhere(
+        &self,
+        model: &str,
+        group: &str,
+        session: &str,
+        bound: crate::index::WorkerRank,
+        chosen: crate::index::WorkerRank,
+    ) -> ServiceError {
         if let Some(aff) = &self.affinity {
             aff.unbind(model, group, session);
         }
+        ServiceError::Invalid(format!(
+            "session {session} is bound to worker {}, not {}",
+            bound.worker_id, chosen.worker_id
+        ))
     }
 
     /// Drops bookings older than the expiry and idle session bindings; the

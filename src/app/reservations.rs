@@ -74,11 +74,13 @@ impl App {
                         a.lookup(&key.model_name, &key.routing_group, session, Instant::now())
                     });
                     if let Some(b) = bound.filter(|b| *b != sel.wr && view.rank(*b).is_some()) {
-                        self.unbind_session(&key.model_name, &key.routing_group, session);
-                        return Ok(Err(ServiceError::Invalid(format!(
-                            "session {session} is bound to worker {}, not {}",
-                            b.worker_id, sel.wr.worker_id
-                        ))));
+                        return Ok(Err(self.refuse_bound_elsewhere(
+                            &key.model_name,
+                            &key.routing_group,
+                            session,
+                            b,
+                            sel.wr,
+                        )));
                     }
                 }
                 let prefill = if sel.track_prefill_tokens {

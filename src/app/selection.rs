@@ -317,14 +317,7 @@ impl App {
             req.pinned_worker,
             session_of(req),
         ) {
-            // As the reference: no booking, and the binding is dropped, so
-            // the session's next booking binds afresh (measured: the same
-            // request then succeeds).
-            self.unbind_session(&model, &group, session);
-            return Err(ServiceError::Invalid(format!(
-                "session {session} is bound to worker {}, not {}",
-                b.worker_id, choice.wr.worker_id
-            )));
+            return Err(self.refuse_bound_elsewhere(&model, &group, session, b, choice.wr));
         }
         let selection_id: Option<String> = match req.selection_id.as_deref() {
             Some(id) => Some(id.to_string()),

@@ -822,13 +822,20 @@ impl<'a> Cur<'a> {
     }
 
     pub(crate) fn u64_val(&mut self, expected: &str) -> PResult<u64> {
-        match self.num_val(expected)? {
+        let n = self.num_val(expected)?;
+        self.u64_of(n, expected)
+    }
+
+    /// `n`, the number just read, as an unsigned integer (serde's errors
+    /// for a negative or fractional one, at the number's end).
+    fn u64_of(&self, n: Num, expected: &str) -> PResult<u64> {
+        match n {
             Num::U64(v) => Ok(v),
-            n @ Num::I64(_) => Err(self.shape(
+            Num::I64(_) => Err(self.shape(
                 self.i,
                 format!("invalid value: {}, expected {expected}", n.unexpected()),
             )),
-            n @ Num::F64(_) => Err(self.shape(
+            Num::F64(_) => Err(self.shape(
                 self.i,
                 format!("invalid type: {}, expected {expected}", n.unexpected()),
             )),
@@ -836,7 +843,13 @@ impl<'a> Cur<'a> {
     }
 
     pub(crate) fn u32_val(&mut self) -> PResult<u32> {
-        let v = self.u64_val("u32")?;
+        let n = self.num_val("u32")?;
+        self.u32_of(n)
+    }
+
+    /// `n`, the number just read, as a u32.
+    pub(crate) fn u32_of(&self, n: Num) -> PResult<u32> {
+        let v = self.u64_of(n, "u32")?;
         u32::try_from(v).map_err(|_| {
             self.shape(
                 self.i,

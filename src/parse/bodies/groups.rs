@@ -343,9 +343,6 @@ pub(super) fn offset_pairs(cur: &mut Cur<'_>) -> PResult<()> {
     let mut n = 0;
     loop {
         let r: PResult<()> = (|| {
-            if cur.peek() == Some(b']') {
-                return Err(cur.syntax_here("trailing comma"));
-            }
             match cur.ws() {
                 Some(b'[') => cur.enter()?,
                 _ => return Err(cur.wrong_type("a tuple of size 2")),
@@ -353,46 +350,22 @@ pub(super) fn offset_pairs(cur: &mut Cur<'_>) -> PResult<()> {
             let mut len = 0;
             if !cur.array_empty()? {
                 loop {
-                    if cur.peek() == Some(b']') {
-                        return Err(cur.syntax_here("trailing comma"));
-                    }
-                    if len == 2 {
-                        // The prompt group is read from serde's buffered
-                        // `Content`: the tuple visitor stops after two
-                        // elements and the buffered sequence's end counts
-                        // the rest, a shape error (measured on the
-                        // reference: `invalid length 3, expected 2 elements
-                        // in sequence`).
-                        let mut total = len;
-                        loop {
-                            if cur.peek() == Some(b']') {
-                                return Err(cur.syntax_here("trailing comma"));
-                            }
-                            cur.skip_value().index(total)?;
-                            total += 1;
-                            if !cur.array_next()? {
-                                break;
-                            }
-                        }
-                        return Err(cur.shape(
-                            cur.i,
-                            format!("invalid length {total}, expected 2 elements in sequence"),
-                        ));
-                    }
                     cur.u64_val("usize").index(len)?;
                     len += 1;
+                    if len == 2 {
+                        // The tuple visitor stops here; the prompt group's
+                        // buffer counts any more elements.
+                        return buffered_rest(cur, 2);
+                    }
                     if !cur.array_next()? {
                         break;
                     }
                 }
             }
-            if len != 2 {
-                return Err(cur.shape(
-                    cur.i,
-                    format!("invalid length {len}, expected a tuple of size 2"),
-                ));
-            }
-            Ok(())
+            Err(cur.shape(
+                cur.i,
+                format!("invalid length {len}, expected a tuple of size 2"),
+            ))
         })();
         r.index(n)?;
         n += 1;

@@ -19,11 +19,10 @@ use crate::pool::Pooled;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-/// Rejects the second occurrence of a field (serde: `duplicate field `x``,
-/// reported just after the key).
+/// A known field of a struct read with [`fields`]: its second occurrence is
+/// serde's `duplicate field `x``, raised before the colon is read; then the
+/// colon.
 #[inline]
-/// A known field of a struct read with [`fields`]: a duplicate is serde's
-/// error before the colon is read; then the colon.
 fn seen(cur: &mut Cur<'_>, set: &mut u64, bit: u32, key: &Key<'_>, name: &str) -> PResult<()> {
     if *set & (1 << bit) != 0 {
         // Placed after any whitespace that follows the name, as serde_json
@@ -187,6 +186,28 @@ fn struct_start(cur: &mut Cur<'_>, expected: &str) -> PResult<Form> {
     }
 }
 
+/// The rest of a sequence the reference buffered (serde's `Content`, as for
+/// the flattened prompt group) after a visitor took `taken` elements, the
+/// cursor just after the last of them: each further element is skipped (a
+/// syntax error inside it under its index) and counted. More than `taken`
+/// is serde's shape error `invalid length N, expected M elements in
+/// sequence`.
+fn buffered_rest(cur: &mut Cur<'_>, taken: usize) -> PResult<()> {
+    let mut total = taken;
+    while cur.array_next()? {
+        cur.skip_value().index(total)?;
+        total += 1;
+    }
+    if total == taken {
+        return Ok(());
+    }
+    let s = if taken == 1 { "" } else { "s" };
+    Err(cur.shape(
+        cur.i,
+        format!("invalid length {total}, expected {taken} element{s} in sequence"),
+    ))
+}
+
 /// A struct read in serde's sequence form, one field per element.
 ///
 /// Two readers exist in the reference and they differ after the last field:
@@ -252,23 +273,7 @@ impl<'n> SeqStruct<'n> {
             return Ok(());
         }
         if self.buffered {
-            let mut extra = 0;
-            while cur.array_next()? {
-                cur.skip_value()?;
-                extra += 1;
-            }
-            if extra == 0 {
-                return Ok(());
-            }
-            let want = self.n;
-            let s = if want == 1 { "" } else { "s" };
-            return Err(cur.shape(
-                cur.i,
-                format!(
-                    "invalid length {}, expected {want} element{s} in sequence",
-                    want + extra
-                ),
-            ));
+            return buffered_rest(cur, self.n);
         }
         // serde_json's end_seq.
         match cur.ws() {

@@ -193,29 +193,12 @@ fn rank_key(cur: &mut Cur<'_>) -> PResult<u32> {
         .key("?");
     }
     let n = cur.number().key("?")?;
-    let end = cur.i;
-    let (rank, seg) = match n {
-        Num::U64(v) => (
-            u32::try_from(v)
-                .map_err(|_| cur.shape(end, format!("invalid value: integer `{v}`, expected u32"))),
-            v.to_string(),
-        ),
-        Num::I64(v) => (
-            Err(cur.shape(
-                end,
-                format!("invalid value: {}, expected u32", n.unexpected()),
-            )),
-            v.to_string(),
-        ),
-        Num::F64(_) => (
-            Err(cur.shape(
-                end,
-                format!("invalid type: {}, expected u32", n.unexpected()),
-            )),
-            "?".to_owned(),
-        ),
+    let seg = match n {
+        Num::U64(v) => v.to_string(),
+        Num::I64(v) => v.to_string(),
+        Num::F64(_) => "?".to_owned(),
     };
-    let rank = rank.key(&seg)?;
+    let rank = cur.u32_of(n).key(&seg)?;
     if cur.peek() != Some(b'"') {
         return Err(cur.syntax_here("expected `\"`")).key(&seg);
     }
