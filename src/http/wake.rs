@@ -27,8 +27,8 @@
 //! to 1 (the default) when the body is complete or the request ends any
 //! other way ([`Drop`]), before hyper reads the next request.
 //!
-//! The cost is one `setsockopt` per frame while at least [`MIN_MARK`] bytes
-//! are still to come. Where Linux grows the receive buffer for a mark it
+//! The cost is one `setsockopt` per frame that changes the mark (a frame
+//! while more than [`MAX_MARK`] bytes are still to come keeps it). Where Linux grows the receive buffer for a mark it
 //! also clamps the advertised window to the mark (256 KiB) until its
 //! buffer autotuning raises both again: ample within a data centre (10
 //! Gbit/s at 100 µs round trip is 125 KB in flight), a limit across a long,
@@ -88,7 +88,8 @@ impl BodySocket {
 pub struct BodyWake {
     socket: Option<BodySocket>,
     declared: u64,
-    raised: bool,
+    /// The mark this body set last, or 1 (the default) while none is raised.
+    mark: u64,
 }
 
 impl BodyWake {
@@ -99,7 +100,7 @@ impl BodyWake {
         BodyWake {
             socket: socket.filter(|_| declared.is_some()),
             declared: declared.unwrap_or(0),
-            raised: false,
+            mark: 1,
         }
     }
 
@@ -109,21 +110,23 @@ impl BodyWake {
             return;
         };
         let rest = self.declared.saturating_sub(taken as u64);
-        if rest >= MIN_MARK {
-            // A failed call leaves the mark as it was: still raised, if it was.
-            if set_mark(socket, rest.min(MAX_MARK)) {
-                self.raised = true;
-            }
-        } else if self.raised {
-            set_mark(socket, 1);
-            self.raised = false;
+        // While more than MAX_MARK is still to come the mark stays at
+        // MAX_MARK: set once, not once per frame.
+        let mark = if rest >= MIN_MARK {
+            rest.min(MAX_MARK)
+        } else {
+            1
+        };
+        // A failed call leaves the mark as it was.
+        if mark != self.mark && set_mark(socket, mark) {
+            self.mark = mark;
         }
     }
 }
 
 impl Drop for BodyWake {
     fn drop(&mut self) {
-        if let (true, Some(socket)) = (self.raised, self.socket) {
+        if let (true, Some(socket)) = (self.mark > 1, self.socket) {
             set_mark(socket, 1);
         }
     }
