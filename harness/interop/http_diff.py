@@ -156,7 +156,11 @@ class Corpus:
             b["routing_group"] = self.pick(["default", "g2"])
         if booking or self.rng.random() < 0.2:
             if self.rng.random() < 0.9:
-                b["selection_id"] = self.new_id() if self.rng.random() < 0.9 else self.some_id()
+                sid = self.new_id() if self.rng.random() < 0.9 else self.some_id()
+                # No route frees a booking under the empty id (both servers
+                # answer DELETE /reservations/ with 404), so a split tie under
+                # it could never be undone: selections take a nonempty id.
+                b["selection_id"] = sid or self.new_id()
         self.prompt(b)
         opt = self.rng.random
         if opt() < 0.1:
@@ -386,6 +390,17 @@ def documented(kind, method, path, raw, a, b):
 WEIGHTS = {"credit": 1.0, "scale": 1.0, "track": True, "reuse": True, "decay": 0.0, "active": 0.0}
 
 
+def set_weights(env, flags):
+    """WEIGHTS from the servers' environment and flags."""
+    WEIGHTS["credit"] = float(env.get("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", 1.0))
+    WEIGHTS["scale"] = float(env.get("DYN_ROUTER_PREFILL_LOAD_SCALE", 1.0))
+    WEIGHTS["decay"] = float(env.get("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY", 0.0))
+    WEIGHTS["active"] = float(env.get("DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT", 0.0))
+    WEIGHTS["track"] = env.get("DYN_ROUTER_TRACK_PREFILL_TOKENS", "true").lower() != "false"
+    WEIGHTS["reuse"] = (env.get("DYN_ROUTER_ASSUME_KV_REUSE", "true").lower() != "false"
+                        and "--no-router-assume-kv-reuse" not in flags)
+
+
 SESSION_APART = "a session bound to different targets by an earlier tie"
 
 
@@ -396,6 +411,35 @@ def session_of(req):
         return ctx["session_id"]
     sid = req.get("session_id")
     return sid if isinstance(sid, str) else None
+
+
+def judge_split(kv, dy, path, req, answers, corpus, apart):
+    """Both servers answered a selection with different workers (`answers`,
+    kvselect's then the reference's): frees the booking on both if it
+    booked, then tells a tie ("tie": equal lowest cost), a session an
+    earlier tie set apart (SESSION_APART), or a mismatch (its note)."""
+    if path == "/select_and_reserve":
+        # Each server's own id (generated when the request had none).
+        for s, ans in zip((kv, dy), answers):
+            sid = urllib.parse.quote(ans["selection_id"], safe="")
+            st = s.call("DELETE", f"/reservations/{sid}")[0]
+            assert st == 200, (s.name, sid, st)
+    c = costs(kv, req)
+    ka, kb = ((ans["worker_id"], ans["dp_rank"]) for ans in answers)
+    sess = session_of(req)
+    if c and ka in c and kb in c and abs(c[ka] - c[kb]) < 1e-9 and c[ka] <= min(c.values()) + 1e-9:
+        # The servers now hold different choices under this id (a pending
+        # selection a later booking replays) and may bind the session to
+        # different targets: keep both out of the rest of the run's
+        # comparisons.
+        if req.get("selection_id") in corpus.booked:
+            corpus.booked.remove(req["selection_id"])
+        if sess is not None:
+            apart.add(sess)
+        return "tie"
+    if sess in apart:
+        return SESSION_APART
+    return f"costs from kvselect's answers {c}, from the reference's {costs(dy, req)}"
 
 
 def costs(srv, req):
@@ -486,6 +530,39 @@ def applied(s):
     return tiers[(1, True)], tiers[(2, True)], tiers[(3, False)]
 
 
+def prepare(servers, pubs, queue):
+    """Registers the three engines' workers on both servers, publishes
+    until both indexed the caches, and books unequal idle loads; returns the
+    last batch's sequence number."""
+    for s in servers:
+        for w, port in ENGINE_PORTS.items():
+            body = {"worker_id": w, "model_name": "m", "endpoint": f"http://w{w}",
+                    "block_size": BS, "kv_events_endpoints": {"0": f"tcp://127.0.0.1:{port}"}}
+            if queue:
+                # The queue schedules only workers that state their batch size.
+                body["max_num_batched_tokens"] = 8192
+            st, _, data = s.call("POST", "/workers", json.dumps(body).encode())
+            assert st == 201, (s.name, st, data)
+    # A server may subscribe more than once, so the subscriptions seen do
+    # not prove both are connected: publish until both applied.
+    for seq in range(30):
+        publish(pubs, seq)
+        time.sleep(1)
+        got = {s.name: applied(s) for s in servers}
+        if all(g == CACHED for g in got.values()):
+            break
+    else:
+        sys.exit(f"the servers did not apply the KV events within 30 s: {got}")
+    # Unequal idle loads, so that cost ties are the exception.
+    for s in servers:
+        for sid, w, n in (("base2", 2, 1), ("base3", 3, 2)):
+            body = {"selection_id": sid, "model_name": "m", "worker_id": w,
+                    "sequence_hashes": list(range(1, n + 1)), "isl_tokens": n * BS}
+            st, _, data = s.call("POST", "/reservations", json.dumps(body).encode())
+            assert st == 201, (s.name, st, data)
+    return seq
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -515,13 +592,7 @@ def main():
     args = ap.parse_args()
     extra = args.server_args.split()
     env = dict(os.environ, **dict(e.split("=", 1) for e in args.env))
-    WEIGHTS["credit"] = float(env.get("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", 1.0))
-    WEIGHTS["scale"] = float(env.get("DYN_ROUTER_PREFILL_LOAD_SCALE", 1.0))
-    WEIGHTS["decay"] = float(env.get("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY", 0.0))
-    WEIGHTS["active"] = float(env.get("DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT", 0.0))
-    WEIGHTS["track"] = env.get("DYN_ROUTER_TRACK_PREFILL_TOKENS", "true").lower() != "false"
-    WEIGHTS["reuse"] = (env.get("DYN_ROUTER_ASSUME_KV_REUSE", "true").lower() != "false"
-                        and "--no-router-assume-kv-reuse" not in extra)
+    set_weights(env, extra)
 
     # Free ports for this run, so that a second run (or a leftover server)
     # cannot answer in place of ours.
@@ -542,29 +613,7 @@ def main():
     try:
         for s in (kv, dy):
             wait_for(lambda: _ok(s, "GET", "/health"), f"{s.name} /health")
-        for s in (kv, dy):
-            for w, port in ENGINE_PORTS.items():
-                body = {"worker_id": w, "model_name": "m", "endpoint": f"http://w{w}",
-                        "block_size": BS, "kv_events_endpoints": {"0": f"tcp://127.0.0.1:{port}"}}
-                st, _, data = s.call("POST", "/workers", json.dumps(body).encode())
-                assert st == 201, (s.name, st, data)
-        # A server may subscribe more than once, so the subscriptions seen
-        # do not prove both are connected: publish until both applied.
-        for seq in range(30):
-            publish(pubs, seq)
-            time.sleep(1)
-            got = {s.name: applied(s) for s in (kv, dy)}
-            if all(g == CACHED for g in got.values()):
-                break
-        else:
-            sys.exit(f"the servers did not apply the KV events within 30 s: {got}")
-        # Unequal idle loads, so that cost ties are the exception.
-        for s in (kv, dy):
-            for sid, w, n in (("base2", 2, 1), ("base3", 3, 2)):
-                body = {"selection_id": sid, "model_name": "m", "worker_id": w,
-                        "sequence_hashes": list(range(1, n + 1)), "isl_tokens": n * BS}
-                st, _, data = s.call("POST", "/reservations", json.dumps(body).encode())
-                assert st == 201, (s.name, st, data)
+        seq = prepare((kv, dy), pubs, "DYN_ROUTER_QUEUE_THRESHOLD" in env)
 
         rng = random.Random(args.seed)
         corpus = Corpus(rng)
@@ -607,31 +656,13 @@ def main():
             elif (a[0] == b[0] == 200 and path in ("/select", "/select_and_reserve")
                   and isinstance(na, dict) and isinstance(nb, dict)
                   and na.get("worker_id") != nb.get("worker_id")):
-                if path == "/select_and_reserve":
-                    # Each server's own id (generated when the request had none).
-                    for s, ans in ((kv, a), (dy, b)):
-                        sid = urllib.parse.quote(jbody(ans[2])["selection_id"], safe="")
-                        st = s.call("DELETE", f"/reservations/{sid}")[0]
-                        assert st == 200, (s.name, sid, st)
-                c = costs(kv, req)
-                ka = (na["worker_id"], na["dp_rank"])
-                kb = (nb["worker_id"], nb["dp_rank"])
-                sess = session_of(req)
-                if c and ka in c and kb in c and abs(c[ka] - c[kb]) < 1e-9 and c[ka] <= min(c.values()) + 1e-9:
+                verdict = judge_split(kv, dy, path, req, (jbody(a[2]), jbody(b[2])), corpus, apart)
+                if verdict == "tie":
                     ties += 1
-                    # The servers now hold different choices under this id
-                    # (a pending selection a later booking replays) and may
-                    # bind the session to different targets: keep both out
-                    # of the rest of the run's comparisons.
-                    if req.get("selection_id") in corpus.booked:
-                        corpus.booked.remove(req["selection_id"])
-                    if sess is not None:
-                        apart.add(sess)
-                elif sess in apart:
+                elif verdict == SESSION_APART:
                     listed[SESSION_APART] = listed.get(SESSION_APART, 0) + 1
                 else:
-                    mismatches.append((i, kind, method, path, raw, a, b,
-                                       f"costs from kvselect's answers {c}, from the reference's {costs(dy, req)}"))
+                    mismatches.append((i, kind, method, path, raw, a, b, verdict))
             else:
                 mismatches.append((i, kind, method, path, raw, a, b, ""))
             if i % 25 == 24:
