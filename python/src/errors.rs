@@ -34,6 +34,7 @@ pub fn to_py(e: ServiceError) -> PyErr {
         ServiceError::Parse(_) | ServiceError::Invalid(_) => PyValueError::new_err(message),
         ServiceError::NoWorkers(_) => service_error("not_ready", 503, message),
         ServiceError::NoCandidates => service_error("scheduler", 503, message),
+        ServiceError::Refused(_) => service_error("scheduler", 400, message),
         ServiceError::UnknownWorker(_)
         | ServiceError::UnknownSelection(_)
         | ServiceError::UnknownPeer(_) => service_error("not_found", 404, message),

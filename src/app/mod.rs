@@ -53,6 +53,11 @@ pub enum ServiceError {
     /// The request is well formed but breaks a rule (a length mismatch, a
     /// value out of range, a field required in this form).
     Invalid(String),
+    /// The request is valid, but the selection cannot honour it (a pinned
+    /// worker outside the allowed set): 400, as `Invalid`, over HTTP; the
+    /// embedded selector raises it as the scheduler's error, not a
+    /// `ValueError`.
+    Refused(String),
     /// No schedulable worker at all, or none in the request's partition.
     NoWorkers(String),
     /// Schedulable workers exist, but the request's filters left none.
@@ -86,6 +91,7 @@ impl std::fmt::Display for ServiceError {
         match self {
             ServiceError::Parse(e) => write!(f, "{e}"),
             ServiceError::Invalid(m)
+            | ServiceError::Refused(m)
             | ServiceError::NoWorkers(m)
             | ServiceError::UnknownWorker(m)
             | ServiceError::UnknownRank(m)

@@ -713,7 +713,7 @@ fn check_pinned(req: &SelectRequest<'_>, view: &PartitionView) -> Result<(), Ser
     if in_set {
         Ok(())
     } else {
-        Err(ServiceError::Invalid(format!(
+        Err(ServiceError::Refused(format!(
             "pinned worker {} is not in allowed worker set",
             p.worker_id
         )))

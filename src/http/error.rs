@@ -59,7 +59,9 @@ impl HttpError {
                         format!("Request body too large: {p}"),
                     ),
                 },
-                ServiceError::Invalid(m) => (StatusCode::BAD_REQUEST, m.clone()),
+                ServiceError::Invalid(m) | ServiceError::Refused(m) => {
+                    (StatusCode::BAD_REQUEST, m.clone())
+                }
                 ServiceError::NoWorkers(m) => (StatusCode::SERVICE_UNAVAILABLE, m.clone()),
                 ServiceError::NoCandidates => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
                 ServiceError::UnknownWorker(m)
