@@ -2,11 +2,24 @@
 //! each known key is read and converted on its own, unknown keys are never
 //! looked at, and no JSON text or generic value tree is built.
 //!
-//! The rules are the JSON visitor's (`kvselect::parse`): the same fields, the
-//! same optional/required split, the same value checks (shared where they
-//! are code, e.g. [`RouterConfigOverride::check`]). Messages follow the ones
-//! Dynamo's embedded selector raises (`python/tests/REFERENCE_NOTES.md`),
-//! except that a bad token names its index.
+//! The fields and the optional/required split are the JSON visitor's
+//! (`kvselect::parse`), with the value checks shared where they are code
+//! (e.g. [`RouterConfigOverride::check`]). What a Python value is accepted as,
+//! and the message when it is not, follow Dynamo 1.6.1's embedded selector
+//! (`python/tests/REFERENCE_NOTES.md`, checked call by call against it by
+//! `harness/interop/py_diff.py`). It reads a request in two ways:
+//!
+//! * **The prompt** (`token_ids`, `block_hashes`, `sequence_hashes`,
+//!   `isl_tokens`, `lora_name`, `cache_salt`, `is_eagle`, `mm_routing_info`,
+//!   `block_mm_infos`) through serde: a value of the wrong type is
+//!   `invalid type: <serde's word for it>, expected <type>` ([`serde_type`]).
+//!   kvselect adds the index of a bad token or hash.
+//! * **Everything else** through Python's own conversions: integers by
+//!   `__index__` (a `bool` or a numpy integer passes), floats by `__float__`,
+//!   flags by truth value, strings, sequences and mappings by type; the
+//!   message is Python's (`TypeError: ...`), in a `ValueError`. These are
+//!   read in the dict's order, before the prompt, so the first bad one is the
+//!   one reported. Their dicts must have string keys.
 //!
 //! Tokens are the one large input: a `list` is read item by item with no
 //! Python call per item beyond reading the int; buffer-protocol objects
@@ -20,9 +33,11 @@ use kvselect::parse::{
 };
 use kvselect::pool::Pooled;
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{
+    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PySequence, PyString, PyTuple,
+};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
@@ -39,8 +54,34 @@ fn type_name(v: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
-/// The request itself: a dict (any other type is refused as Dynamo does).
-pub fn as_dict<'py>(v: &Bound<'py, PyAny>) -> R<Bound<'py, PyDict>> {
+// ----- Python's conversions (everything but the prompt) -----
+
+/// A Python conversion error as Dynamo reports it: `TypeError: ...` in a
+/// `ValueError`.
+fn wrapped(e: PyErr) -> PyErr {
+    err(e.to_string())
+}
+
+/// An integer by `__index__`, as Python converts it to a C `unsigned long
+/// long` (`OverflowError` below 0 or past u64).
+fn index_u64(v: &Bound<'_, PyAny>) -> R<u64> {
+    v.extract::<u64>().map_err(wrapped)
+}
+
+/// An integer by `__index__`, as Python converts it to a C `long` and then
+/// to u32.
+fn index_u32(v: &Bound<'_, PyAny>) -> R<u32> {
+    v.extract::<u32>().map_err(wrapped)
+}
+
+/// A float by `__float__` (ints and bools pass).
+fn real(v: &Bound<'_, PyAny>) -> R<f64> {
+    v.extract::<f64>().map_err(wrapped)
+}
+
+/// The request itself, or a nested object: a dict (any other type is refused
+/// as Dynamo does).
+fn as_dict<'py>(v: &Bound<'py, PyAny>) -> R<Bound<'py, PyDict>> {
     v.cast::<PyDict>().cloned().map_err(|_| {
         err(format!(
             "unexpected type: '{}' object cannot be converted to 'Mapping'",
@@ -49,33 +90,18 @@ pub fn as_dict<'py>(v: &Bound<'py, PyAny>) -> R<Bound<'py, PyDict>> {
     })
 }
 
-/// `key`'s value, `None` when absent.
-fn get<'py>(d: &Bound<'py, PyDict>, key: &str) -> R<Option<Bound<'py, PyAny>>> {
-    d.get_item(key)
-}
-
-/// `key`'s value, `None` when absent or Python `None`.
-fn get_some<'py>(d: &Bound<'py, PyDict>, key: &str) -> R<Option<Bound<'py, PyAny>>> {
-    Ok(get(d, key)?.filter(|v| !v.is_none()))
-}
-
-/// A describing phrase of a value for "invalid type" messages (serde's words).
-fn unexpected(v: &Bound<'_, PyAny>) -> String {
-    if v.is_instance_of::<PyBool>() {
-        format!("boolean `{}`", v.is_truthy().unwrap_or(false))
-    } else if v.is_instance_of::<PyInt>() {
-        format!("integer `{}`", v)
-    } else if v.is_instance_of::<PyFloat>() {
-        format!("floating point `{}`", v)
-    } else if let Ok(s) = v.cast::<PyString>() {
-        format!("string {:?}", s.to_string_lossy())
-    } else if v.is_none() {
-        "null".into()
-    } else {
-        format!("'{}' object", type_name(v))
+/// A dict whose fields are read by name: every key a string.
+fn named_fields<'py>(v: &Bound<'py, PyAny>) -> R<Bound<'py, PyDict>> {
+    let d = as_dict(v)?;
+    for k in d.keys() {
+        if !k.is_instance_of::<PyString>() {
+            return Err(err("dict keys must have type str"));
+        }
     }
+    Ok(d)
 }
 
+/// A string, by type.
 fn string_value(v: &Bound<'_, PyAny>) -> R<String> {
     match v.cast::<PyString>() {
         Ok(s) => Ok(s.to_str()?.to_string()),
@@ -86,113 +112,228 @@ fn string_value(v: &Bound<'_, PyAny>) -> R<String> {
     }
 }
 
-/// A string field that, when present, must be a string (`None` refused).
-fn strict_str(d: &Bound<'_, PyDict>, key: &str) -> R<Option<Str<'static>>> {
-    get(d, key)?
-        .map(|v| string_value(&v).map(Cow::Owned))
-        .transpose()
+fn str_value(v: &Bound<'_, PyAny>) -> R<Str<'static>> {
+    string_value(v).map(Cow::Owned)
 }
 
-/// An optional string field (`None` allowed).
-fn opt_str(d: &Bound<'_, PyDict>, key: &str) -> R<Option<Str<'static>>> {
-    get_some(d, key)?
-        .map(|v| string_value(&v).map(Cow::Owned))
-        .transpose()
-}
-
-fn opt_string(d: &Bound<'_, PyDict>, key: &str) -> R<Option<String>> {
-    get_some(d, key)?.map(|v| string_value(&v)).transpose()
-}
-
-/// An unsigned integer no larger than `max` (`what` names the type).
-fn uint_value(v: &Bound<'_, PyAny>, max: u64, what: &str) -> R<u64> {
-    if v.is_instance_of::<PyBool>() || !v.is_instance_of::<PyInt>() {
-        return Err(err(format!(
-            "invalid type: {}, expected {what}",
-            unexpected(v)
-        )));
-    }
-    match v.extract::<u64>() {
-        Ok(n) if n <= max => Ok(n),
-        _ => Err(err(format!(
-            "invalid value: integer `{v}`, expected {what}"
-        ))),
+/// `None` as absent, anything else converted.
+fn some<T>(v: &Bound<'_, PyAny>, f: impl FnOnce(&Bound<'_, PyAny>) -> R<T>) -> R<Option<T>> {
+    if v.is_none() {
+        Ok(None)
+    } else {
+        f(v).map(Some)
     }
 }
 
-fn opt_u64(d: &Bound<'_, PyDict>, key: &str) -> R<Option<u64>> {
-    get_some(d, key)?
-        .map(|v| uint_value(&v, u64::MAX, "u64"))
-        .transpose()
-}
-
-fn opt_u32(d: &Bound<'_, PyDict>, key: &str) -> R<Option<u32>> {
-    get_some(d, key)?
-        .map(|v| uint_value(&v, u32::MAX as u64, "u32").map(|n| n as u32))
-        .transpose()
-}
-
-fn float_value(v: &Bound<'_, PyAny>, what: &str) -> R<f64> {
-    if v.is_instance_of::<PyBool>()
-        || !(v.is_instance_of::<PyFloat>() || v.is_instance_of::<PyInt>())
-    {
-        return Err(err(format!(
-            "invalid type: {}, expected {what}",
-            unexpected(v)
-        )));
-    }
-    v.extract::<f64>()
-}
-
-fn opt_f64(d: &Bound<'_, PyDict>, key: &str) -> R<Option<f64>> {
-    get_some(d, key)?
-        .map(|v| float_value(&v, "f64"))
-        .transpose()
-}
-
-fn opt_bool(d: &Bound<'_, PyDict>, key: &str) -> R<Option<bool>> {
-    get_some(d, key)?
-        .map(|v| {
-            if v.is_instance_of::<PyBool>() {
-                v.is_truthy()
-            } else {
-                Err(err(format!(
-                    "invalid type: {}, expected a boolean",
-                    unexpected(&v)
-                )))
-            }
-        })
-        .transpose()
-}
-
-fn opt_dict<'py>(d: &Bound<'py, PyDict>, key: &str) -> R<Option<Bound<'py, PyDict>>> {
-    get_some(d, key)?.map(|v| as_dict(&v)).transpose()
-}
-
-/// Items of a list or tuple (any other type is refused as "expected a
-/// sequence").
-fn seq_items<'py>(v: &Bound<'py, PyAny>) -> R<Vec<Bound<'py, PyAny>>> {
-    if let Ok(l) = v.cast::<PyList>() {
-        return Ok(l.iter().collect());
-    }
-    if let Ok(t) = v.cast::<PyTuple>() {
-        return Ok(t.iter().collect());
-    }
-    Err(err(format!(
-        "invalid type: {}, expected a sequence",
-        unexpected(v)
-    )))
+/// Items of any sequence (a `str` is one: its characters).
+fn sequence<'py>(v: &Bound<'py, PyAny>) -> R<Vec<Bound<'py, PyAny>>> {
+    let s = v.cast::<PySequence>().map_err(|_| {
+        err(format!(
+            "unexpected type: '{}' object cannot be converted to 'Sequence'",
+            type_name(v)
+        ))
+    })?;
+    s.try_iter()?.collect()
 }
 
 fn required<T>(v: Option<T>, name: &str) -> R<T> {
     v.ok_or_else(|| err(format!("missing field `{name}`")))
 }
 
+/// An externally tagged enum of unit variants, as serde reads one from
+/// Python: a variant name, or a dict of one key naming it.
+fn unit_variant<T>(
+    v: &Bound<'_, PyAny>,
+    variant: impl Fn(&str) -> Option<T>,
+    expected: &str,
+) -> R<T> {
+    let name = if let Ok(d) = v.cast::<PyDict>() {
+        if d.len() != 1 {
+            return Err(err("expected tagged enum dict to have exactly 1 key"));
+        }
+        d.keys().get_item(0)?
+    } else {
+        v.clone()
+    };
+    let name = name
+        .cast::<PyString>()
+        .map_err(|_| err("expected either a str or dict for enum"))?
+        .to_str()?
+        .to_string();
+    variant(&name).ok_or_else(|| err(format!("unknown variant `{name}`, expected {expected}")))
+}
+
+// ----- plain arguments -----
+
+/// A `selection_id` argument, with the `TypeError` Dynamo's binding raises.
+pub fn selection_id_arg(v: &Bound<'_, PyAny>) -> R<String> {
+    match v.cast::<PyString>() {
+        Ok(s) => Ok(s.to_str()?.to_string()),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "argument 'selection_id': '{}' object cannot be converted to 'PyString'",
+            type_name(v)
+        ))),
+    }
+}
+
+/// A `worker_id` argument: an integer by `__index__`; a `TypeError` names
+/// the argument, as Dynamo's binding does.
+pub fn worker_id_arg(v: &Bound<'_, PyAny>) -> R<u64> {
+    v.extract::<u64>().map_err(|e| {
+        Python::attach(|py| {
+            if e.is_instance_of::<PyTypeError>(py) {
+                PyTypeError::new_err(format!("argument 'worker_id': {}", e.value(py)))
+            } else {
+                e
+            }
+        })
+    })
+}
+
+// ----- serde's reading (the prompt) -----
+
+/// serde's word for a Python value (`invalid type: <this>, expected ...`),
+/// or the error the reading stops at before any type is expected: an int
+/// beyond i64 and u64, and types serde has no word for.
+fn serde_word(v: &Bound<'_, PyAny>) -> R<String> {
+    if v.is_none() {
+        return Ok("unit value".into());
+    }
+    if v.is_instance_of::<PyBool>() {
+        return Ok(format!("boolean `{}`", v.is_truthy()?));
+    }
+    if v.is_instance_of::<PyInt>() {
+        if let Ok(n) = v.extract::<i64>() {
+            return Ok(format!("integer `{n}`"));
+        }
+        if let Ok(n) = v.extract::<u64>() {
+            return Ok(format!("integer `{n}`"));
+        }
+        let wide = if v.lt(0)? { "i128" } else { "u128" };
+        return Err(err(format!(
+            "invalid type: integer `{v}` as {wide}, expected any value"
+        )));
+    }
+    if v.is_instance_of::<PyFloat>() {
+        let f: f64 = v.extract()?;
+        let mut s = f.to_string();
+        if f.is_finite() && !s.contains(['.', 'e']) {
+            s.push_str(".0");
+        }
+        return Ok(format!("floating point `{s}`"));
+    }
+    if let Ok(s) = v.cast::<PyString>() {
+        return Ok(format!("string {:?}", s.to_str()?));
+    }
+    if v.is_instance_of::<PyBytes>() {
+        return Ok("byte array".into());
+    }
+    if v.is_instance_of::<PyByteArray>() {
+        return Err(err(format!(
+            "unexpected type: '{}' object cannot be converted to 'PyBytes'",
+            type_name(v)
+        )));
+    }
+    if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
+        return Ok("sequence".into());
+    }
+    if v.is_instance_of::<PyDict>() {
+        return Ok("map".into());
+    }
+    Err(err(format!("unsupported type {}", type_name(v))))
+}
+
+/// serde's error for a value of the wrong type.
+fn serde_type(v: &Bound<'_, PyAny>, expected: &str) -> PyErr {
+    match serde_word(v) {
+        Ok(word) => err(format!("invalid type: {word}, expected {expected}")),
+        Err(e) => e,
+    }
+}
+
+/// An unsigned integer no larger than `max`, as serde reads one (`what`
+/// names the type: u32, u64, usize).
+fn serde_uint(v: &Bound<'_, PyAny>, max: u64, what: &str) -> R<u64> {
+    if v.is_instance_of::<PyBool>() || !v.is_instance_of::<PyInt>() {
+        return Err(serde_type(v, what));
+    }
+    let word = serde_word(v)?;
+    match v.extract::<u64>() {
+        Ok(n) if n <= max => Ok(n),
+        _ => Err(err(format!("invalid value: {word}, expected {what}"))),
+    }
+}
+
+/// A list or tuple, as serde reads a sequence.
+fn serde_seq<'py>(v: &Bound<'py, PyAny>) -> R<Vec<Bound<'py, PyAny>>> {
+    if let Ok(l) = v.cast::<PyList>() {
+        return Ok(l.iter().collect());
+    }
+    if let Ok(t) = v.cast::<PyTuple>() {
+        return Ok(t.iter().collect());
+    }
+    Err(serde_type(v, "a sequence"))
+}
+
+/// A struct's fields as serde reads them: from a dict by name, or from a
+/// list in order.
+enum StructForm<'py> {
+    Map(Bound<'py, PyDict>),
+    Seq(Vec<Bound<'py, PyAny>>),
+}
+
+struct SerdeStruct<'py> {
+    form: StructForm<'py>,
+    name: &'static str,
+    fields: usize,
+}
+
+fn serde_struct<'py>(
+    v: &Bound<'py, PyAny>,
+    name: &'static str,
+    fields: usize,
+) -> R<SerdeStruct<'py>> {
+    let form = if let Ok(d) = v.cast::<PyDict>() {
+        StructForm::Map(d.clone())
+    } else if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
+        StructForm::Seq(serde_seq(v)?)
+    } else {
+        return Err(serde_type(v, &format!("struct {name}")));
+    };
+    Ok(SerdeStruct { form, name, fields })
+}
+
+impl<'py> SerdeStruct<'py> {
+    /// Field `i`, named `key`: absent from a dict is `None` (the caller
+    /// names it missing); a list too short to have it is a length error.
+    /// serde also takes a dict's integer key as the index of a field.
+    fn field(&self, i: usize, key: &str) -> R<Option<Bound<'py, PyAny>>> {
+        match &self.form {
+            StructForm::Map(d) => match d.get_item(key)? {
+                Some(v) => Ok(Some(v)),
+                None => d.get_item(i),
+            },
+            StructForm::Seq(items) => match items.get(i) {
+                Some(v) => Ok(Some(v.clone())),
+                None => {
+                    let s = if self.fields == 1 { "" } else { "s" };
+                    Err(err(format!(
+                        "invalid length {}, expected struct {} with {} element{s}",
+                        items.len(),
+                        self.name,
+                        self.fields
+                    )))
+                }
+            },
+        }
+    }
+}
+
 // ----- tokens and hashes -----
 
 /// `token_ids` into a pooled buffer: a list or tuple of ints, or any
 /// buffer-protocol object of u32 (`array('I')`, numpy `uint32`) or of bytes
-/// read as little-endian u32.
+/// read as little-endian u32, or another iterable of ints.
 fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
     let mut out = parser.tokens.take();
     let too_many = |n: usize| {
@@ -224,11 +365,13 @@ fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
         }
         return Ok(out);
     }
-    if v.is_instance_of::<PyString>() {
-        return Err(err(format!(
-            "invalid type: {}, expected a sequence",
-            unexpected(v)
-        )));
+    // Types serde reads as something else than a sequence.
+    if v.is_instance_of::<PyString>()
+        || v.is_instance_of::<PyDict>()
+        || v.is_instance_of::<PyInt>()
+        || v.is_instance_of::<PyFloat>()
+    {
+        return Err(serde_type(v, "a sequence"));
     }
     let py = v.py();
     if let Ok(buf) = PyBuffer::<u32>::get(v) {
@@ -263,12 +406,7 @@ fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
         return Ok(out);
     }
     // Any other iterable of ints (numpy arrays of other dtypes, ranges).
-    let iter = v.try_iter().map_err(|_| {
-        err(format!(
-            "invalid type: {}, expected a sequence",
-            unexpected(v)
-        ))
-    })?;
+    let iter = v.try_iter().map_err(|_| serde_type(v, "a sequence"))?;
     for (i, item) in iter.enumerate() {
         let item = item?;
         if out.len() == parser.limits.max_tokens {
@@ -276,8 +414,8 @@ fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
         }
         let n: i128 = item.extract().map_err(|_| {
             err(format!(
-                "{name}[{i}]: invalid type: {}, expected u32",
-                unexpected(&item)
+                "{name}[{i}]: invalid type: '{}' object, expected u32",
+                type_name(&item)
             ))
         })?;
         out.push(u32::try_from(n).map_err(|_| {
@@ -324,201 +462,256 @@ fn exact_int_list(list: &Bound<'_, PyList>, out: &mut Vec<u32>) -> Result<(), us
     Ok(())
 }
 
-/// One token of a list: an exact int in u32 range.
+/// One token of a list or tuple: an int in u32 range, as serde reads it,
+/// with its index named.
 #[inline]
 fn token(item: &Bound<'_, PyAny>, name: &str, i: usize) -> R<u32> {
     if let Ok(int) = item.cast_exact::<PyInt>() {
         if let Ok(n) = int.extract::<u32>() {
             return Ok(n);
         }
-        return Err(err(format!(
-            "{name}[{i}]: invalid value: integer `{int}`, expected u32"
-        )));
     }
-    if item.is_instance_of::<PyInt>() && !item.is_instance_of::<PyBool>() {
-        if let Ok(n) = item.extract::<u32>() {
-            return Ok(n);
-        }
-        return Err(err(format!(
-            "{name}[{i}]: invalid value: integer `{item}`, expected u32"
-        )));
-    }
-    Err(err(format!(
-        "{name}[{i}]: invalid type: {}, expected u32",
-        unexpected(item)
-    )))
+    serde_uint(item, u32::MAX as u64, "u32")
+        .map(|n| n as u32)
+        .map_err(|e| indexed(e, name, i))
+}
+
+/// `e`'s message under `name[i]: `.
+fn indexed(e: PyErr, name: &str, i: usize) -> PyErr {
+    Python::attach(|py| err(format!("{name}[{i}]: {}", e.value(py))))
 }
 
 /// i64 hashes (as Dynamo sends them), kept as their u64 bit patterns.
 fn hashes(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u64>> {
     let mut out = parser.hashes.take();
-    for (i, item) in seq_items(v)?.iter().enumerate() {
-        if item.is_instance_of::<PyBool>() || !item.is_instance_of::<PyInt>() {
-            return Err(err(format!(
-                "{name}[{i}]: invalid type: {}, expected i64",
-                unexpected(item)
-            )));
-        }
-        let n: i64 = item.extract().map_err(|_| {
-            err(format!(
-                "{name}[{i}]: invalid value: integer `{item}`, expected i64"
-            ))
-        })?;
-        out.push(n as u64);
+    for (i, item) in serde_seq(v)?.iter().enumerate() {
+        let n = if item.is_instance_of::<PyBool>() || !item.is_instance_of::<PyInt>() {
+            Err(serde_type(item, "i64"))
+        } else {
+            let word = serde_word(item)?;
+            item.extract::<i64>()
+                .map_err(|_| err(format!("invalid value: {word}, expected i64")))
+        };
+        out.push(n.map_err(|e| indexed(e, name, i))? as u64);
     }
     Ok(out)
 }
 
-fn opt_hashes(parser: &Parser, d: &Bound<'_, PyDict>, key: &str) -> R<Option<Pooled<u64>>> {
-    get_some(d, key)?
-        .map(|v| hashes(parser, &v, key))
-        .transpose()
-}
-
-fn opt_tokens(parser: &Parser, d: &Bound<'_, PyDict>, key: &str) -> R<Option<Pooled<u32>>> {
-    get_some(d, key)?
-        .map(|v| tokens(parser, &v, key))
-        .transpose()
-}
-
 /// `block_mm_infos`: per block `None` or `{"mm_objects": [{"mm_hash", "offsets"}]}`.
-fn block_mm_infos(d: &Bound<'_, PyDict>, key: &str) -> R<Option<Vec<Option<Vec<u64>>>>> {
-    let Some(v) = get_some(d, key)? else {
-        return Ok(None);
-    };
+fn block_mm_infos(v: &Bound<'_, PyAny>) -> R<Vec<Option<Vec<u64>>>> {
     let mut out = Vec::new();
-    for block in seq_items(&v)? {
+    for block in serde_seq(v)? {
         if block.is_none() {
             out.push(None);
             continue;
         }
-        let b = as_dict(&block)?;
+        let b = serde_struct(&block, "BlockExtraInfo", 1)?;
+        let objs = required(b.field(0, "mm_objects")?, "mm_objects")?;
         let mut hashes = Vec::new();
-        if let Some(objs) = get_some(&b, "mm_objects")? {
-            for o in seq_items(&objs)? {
-                let o = as_dict(&o)?;
-                let h = required(get_some(&o, "mm_hash")?, "mm_hash")?;
-                hashes.push(uint_value(&h, u64::MAX, "u64")?);
-                if let Some(offsets) = get_some(&o, "offsets")? {
-                    for pair in seq_items(&offsets)? {
-                        let p = seq_items(&pair)?;
-                        if p.len() != 2 {
-                            return Err(err(format!(
-                                "invalid length {}, expected a tuple of size 2",
-                                p.len()
-                            )));
-                        }
-                        for x in &p {
-                            uint_value(x, u64::MAX, "usize")?;
-                        }
-                    }
+        for o in serde_seq(&objs)? {
+            let o = serde_struct(&o, "BlockMmObjectInfo", 2)?;
+            // Each field is read as it is reached: a list that is too short
+            // fails only after its elements converted.
+            let h = match o.field(0, "mm_hash")? {
+                Some(h) => Some(serde_uint(&h, u64::MAX, "u64")?),
+                None => None,
+            };
+            let offsets = o.field(1, "offsets")?;
+            let h = required(h, "mm_hash")?;
+            for pair in serde_seq(&required(offsets, "offsets")?)? {
+                let p = if pair.is_instance_of::<PyList>() || pair.is_instance_of::<PyTuple>() {
+                    serde_seq(&pair)?
+                } else {
+                    return Err(serde_type(&pair, "a tuple of size 2"));
+                };
+                // The first two are read, then the length is checked.
+                for x in p.iter().take(2) {
+                    serde_uint(x, u64::MAX, "usize")?;
+                }
+                if p.len() < 2 {
+                    return Err(err(format!(
+                        "invalid length {}, expected a tuple of size 2",
+                        p.len()
+                    )));
+                }
+                if p.len() > 2 {
+                    return Err(err(format!(
+                        "invalid length {}, expected 2 elements in sequence",
+                        p.len()
+                    )));
                 }
             }
+            hashes.push(h);
         }
         out.push(Some(hashes));
     }
-    Ok(Some(out))
+    Ok(out)
 }
 
+/// The prompt's fields of a request dict, read as serde reads them.
 fn prompt(parser: &Parser, d: &Bound<'_, PyDict>) -> R<Prompt<'static>> {
-    let mm_routing_info = match opt_dict(d, "mm_routing_info")? {
-        Some(m) => Some(MmRoutingInfo {
-            routing_token_ids: opt_tokens(parser, &m, "routing_token_ids")?,
-            block_mm_infos: block_mm_infos(&m, "block_mm_infos")?,
-        }),
-        None => None,
-    };
-    Ok(Prompt {
-        token_ids: opt_tokens(parser, d, "token_ids")?,
-        mm_routing_info,
-        block_mm_infos: block_mm_infos(d, "block_mm_infos")?,
-        block_hashes: opt_hashes(parser, d, "block_hashes")?,
-        sequence_hashes: opt_hashes(parser, d, "sequence_hashes")?,
-        isl_tokens: opt_u64(d, "isl_tokens")?,
-        lora_name: opt_str(d, "lora_name")?,
-        cache_salt: opt_str(d, "cache_salt")?,
-        is_eagle: opt_bool(d, "is_eagle")?,
-    })
-}
-
-fn router_config_override(d: &Bound<'_, PyDict>) -> R<Option<RouterConfigOverride>> {
-    let Some(o) = opt_dict(d, "router_config_override")? else {
-        return Ok(None);
-    };
-    let r = RouterConfigOverride {
-        overlap_score_credit: opt_f64(&o, "overlap_score_credit")?,
-        prefill_load_scale: opt_f64(&o, "prefill_load_scale")?,
-        overlap_score_weight: opt_f64(&o, "overlap_score_weight")?,
-        router_temperature: opt_f64(&o, "router_temperature")?,
-        assume_kv_reuse: opt_bool(&o, "assume_kv_reuse")?,
-        track_prefill_tokens: opt_bool(&o, "track_prefill_tokens")?,
-        shared_cache_multiplier: opt_f64(&o, "shared_cache_multiplier")?,
-    };
-    r.check()
-        .map_err(|m| err(format!("router_config_override: {m}")))?;
-    Ok(Some(r))
-}
-
-fn session_context(d: &Bound<'_, PyDict>) -> R<Option<SessionContext<'static>>> {
-    let Some(s) = opt_dict(d, "session_context")? else {
-        return Ok(None);
-    };
-    let input_trigger = match opt_string(&s, "input_trigger")?.as_deref() {
-        None => None,
-        Some("user_message") => Some(InputTrigger::UserMessage),
-        Some("tool_result") => Some(InputTrigger::ToolResult),
-        Some("other") => Some(InputTrigger::Other),
-        Some(v) => {
-            return Err(err(format!(
-                "session_context.input_trigger: unknown variant `{v}`, expected one of `user_message`, `tool_result`, `other`"
-            )))
-        }
-    };
-    Ok(Some(SessionContext {
-        session_id: required(strict_str(&s, "session_id")?, "session_id")?,
-        parent_session_id: opt_str(&s, "parent_session_id")?,
-        session_final: opt_bool(&s, "session_final")?,
-        input_trigger,
-    }))
-}
-
-fn routing_constraints(d: &Bound<'_, PyDict>) -> R<Option<RoutingConstraints<'static>>> {
-    let Some(c) = opt_dict(d, "routing_constraints")? else {
-        return Ok(None);
-    };
-    let mut out = RoutingConstraints::default();
-    if let Some(req) = get_some(&c, "required_taints")? {
-        for t in seq_items(&req)? {
-            out.required_taints.push(Cow::Owned(string_value(&t)?));
-        }
-    }
-    if let Some(pref) = get_some(&c, "preferred_taints")? {
-        // A map of taint -> weight, as in the JSON body.
-        let pref = pref.cast::<PyDict>().map_err(|_| {
-            err(format!(
-                "routing_constraints.preferred_taints: invalid type: {}, expected a map",
-                unexpected(&pref)
-            ))
-        })?;
-        for (t, w) in pref.iter() {
-            out.preferred_taints.push((
-                Cow::Owned(string_value(&t)?),
-                float_value(&w, "f32")? as f32,
-            ));
-        }
-    }
-    Ok(Some(out))
-}
-
-fn opt_u64_list(d: &Bound<'_, PyDict>, key: &str) -> R<Option<Vec<u64>>> {
-    get_some(d, key)?
-        .map(|v| {
-            seq_items(&v)?
-                .iter()
-                .map(|x| uint_value(x, u64::MAX, "u64"))
-                .collect()
+    let mut p = Prompt::default();
+    let opt_string = |v: &Bound<'_, PyAny>| -> R<Option<Str<'static>>> {
+        some(v, |v| match v.cast::<PyString>() {
+            Ok(s) => Ok(Cow::Owned(s.to_str()?.to_string())),
+            Err(_) => Err(serde_type(v, "a string")),
         })
-        .transpose()
+    };
+    for (k, v) in d.iter() {
+        let Ok(k) = k.cast::<PyString>() else {
+            continue;
+        };
+        match k.to_str()? {
+            "token_ids" => p.token_ids = some(&v, |v| tokens(parser, v, "token_ids"))?,
+            "block_hashes" => p.block_hashes = some(&v, |v| hashes(parser, v, "block_hashes"))?,
+            "sequence_hashes" => {
+                p.sequence_hashes = some(&v, |v| hashes(parser, v, "sequence_hashes"))?
+            }
+            "isl_tokens" => p.isl_tokens = some(&v, |v| serde_uint(v, u64::MAX, "usize"))?,
+            "lora_name" => p.lora_name = opt_string(&v)?,
+            "cache_salt" => p.cache_salt = opt_string(&v)?,
+            "is_eagle" => {
+                p.is_eagle = some(&v, |v| {
+                    if v.is_instance_of::<PyBool>() {
+                        v.is_truthy()
+                    } else {
+                        Err(serde_type(v, "a boolean"))
+                    }
+                })?
+            }
+            "block_mm_infos" => p.block_mm_infos = some(&v, block_mm_infos)?,
+            "mm_routing_info" => {
+                p.mm_routing_info = some(&v, |v| {
+                    let m = serde_struct(v, "MmRoutingInfoRequest", 2)?;
+                    let routing = m.field(0, "routing_token_ids")?;
+                    let routing_token_ids = match &routing {
+                        Some(r) => Some(tokens(parser, r, "routing_token_ids")?),
+                        None => None,
+                    };
+                    // Absent is none; `None` is refused (not an optional field).
+                    let infos = m.field(1, "block_mm_infos")?;
+                    let block_mm_infos = infos.as_ref().map(block_mm_infos).transpose()?;
+                    required(routing_token_ids.as_ref(), "routing_token_ids")?;
+                    Ok(MmRoutingInfo {
+                        routing_token_ids,
+                        block_mm_infos,
+                    })
+                })?
+            }
+            _ => {}
+        }
+    }
+    Ok(p)
+}
+
+// ----- the other fields -----
+
+/// `{worker_id, dp_rank}` of `pinned_worker` (both required) or
+/// `affinity_target` (`dp_rank` optional): converted in the dict's order,
+/// then the missing ones named.
+fn worker_rank(v: &Bound<'_, PyAny>, rank_required: bool) -> R<(u64, Option<u32>)> {
+    let d = named_fields(v)?;
+    let (mut worker_id, mut dp_rank) = (None, None);
+    for (k, v) in d.iter() {
+        match k.cast::<PyString>()?.to_str()? {
+            "worker_id" => worker_id = Some(index_u64(&v)?),
+            "dp_rank" if rank_required => dp_rank = Some(index_u32(&v)?),
+            "dp_rank" => dp_rank = some(&v, index_u32)?,
+            _ => {}
+        }
+    }
+    let worker_id = required(worker_id, "worker_id")?;
+    if rank_required {
+        required(dp_rank, "dp_rank")?;
+    }
+    Ok((worker_id, dp_rank))
+}
+
+fn router_config_override(v: &Bound<'_, PyAny>) -> R<RouterConfigOverride> {
+    let d = named_fields(v)?;
+    let mut r = RouterConfigOverride::default();
+    for (k, v) in d.iter() {
+        let slot = match k.cast::<PyString>()?.to_str()? {
+            "overlap_score_credit" => &mut r.overlap_score_credit,
+            "prefill_load_scale" => &mut r.prefill_load_scale,
+            "overlap_score_weight" => &mut r.overlap_score_weight,
+            "router_temperature" => &mut r.router_temperature,
+            "shared_cache_multiplier" => &mut r.shared_cache_multiplier,
+            "assume_kv_reuse" => {
+                r.assume_kv_reuse = some(&v, |v| v.is_truthy())?;
+                continue;
+            }
+            "track_prefill_tokens" => {
+                r.track_prefill_tokens = some(&v, |v| v.is_truthy())?;
+                continue;
+            }
+            _ => continue,
+        };
+        *slot = some(&v, real)?;
+    }
+    r.check().map_err(err)?;
+    Ok(r)
+}
+
+fn session_context(v: &Bound<'_, PyAny>) -> R<SessionContext<'static>> {
+    let d = named_fields(v)?;
+    let mut session_id = None;
+    let mut c = SessionContext {
+        session_id: Cow::Borrowed(""),
+        parent_session_id: None,
+        session_final: None,
+        input_trigger: None,
+    };
+    for (k, v) in d.iter() {
+        match k.cast::<PyString>()?.to_str()? {
+            "session_id" => session_id = Some(str_value(&v)?),
+            "parent_session_id" => c.parent_session_id = some(&v, str_value)?,
+            "session_final" => c.session_final = some(&v, |v| v.is_truthy())?,
+            "input_trigger" => {
+                c.input_trigger = some(&v, |v| {
+                    unit_variant(
+                        v,
+                        |n| match n {
+                            "user_message" => Some(InputTrigger::UserMessage),
+                            "tool_result" => Some(InputTrigger::ToolResult),
+                            "other" => Some(InputTrigger::Other),
+                            _ => None,
+                        },
+                        "one of `user_message`, `tool_result`, `other`",
+                    )
+                })?
+            }
+            _ => {}
+        }
+    }
+    c.session_id = required(session_id, "session_id")?;
+    Ok(c)
+}
+
+/// `routing_constraints`: present means a dict, and each of its lists present
+/// means a sequence and a dict (`None` is refused, not absent).
+fn routing_constraints(v: &Bound<'_, PyAny>) -> R<RoutingConstraints<'static>> {
+    let d = named_fields(v)?;
+    let mut out = RoutingConstraints::default();
+    for (k, v) in d.iter() {
+        match k.cast::<PyString>()?.to_str()? {
+            "required_taints" => {
+                out.required_taints = sequence(&v)?.iter().map(str_value).collect::<R<_>>()?
+            }
+            "preferred_taints" => {
+                out.preferred_taints = as_dict(&v)?
+                    .iter()
+                    .map(|(t, w)| Ok((str_value(&t)?, real(&w)? as f32)))
+                    .collect::<R<_>>()?
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+fn allowed_worker_ids(v: &Bound<'_, PyAny>) -> R<Vec<u64>> {
+    sequence(v)?.iter().map(index_u64).collect()
 }
 
 pub fn select_request(
@@ -526,158 +719,167 @@ pub fn select_request(
     v: &Bound<'_, PyAny>,
     kind: SelectKind,
 ) -> R<SelectRequest<'static>> {
-    let d = as_dict(v)?;
-    let pinned_worker = match opt_dict(&d, "pinned_worker")? {
-        Some(p) => Some(PinnedWorker {
-            worker_id: required(opt_u64(&p, "worker_id")?, "worker_id")?,
-            dp_rank: required(opt_u32(&p, "dp_rank")?, "dp_rank")?,
-        }),
-        None => None,
-    };
-    let affinity_target = match opt_dict(&d, "affinity_target")? {
-        Some(p) => Some(AffinityTarget {
-            worker_id: required(opt_u64(&p, "worker_id")?, "worker_id")?,
-            dp_rank: opt_u32(&p, "dp_rank")?,
-        }),
-        None => None,
-    };
-    Ok(SelectRequest {
-        model_name: strict_str(&d, "model_name")?,
-        routing_group: strict_str(&d, "routing_group")?,
-        selection_id: opt_str(&d, "selection_id")?,
-        session_id: opt_str(&d, "session_id")?,
-        session_context: session_context(&d)?,
-        router_config_override: router_config_override(&d)?,
-        expected_output_tokens: opt_u32(&d, "expected_output_tokens")?,
-        priority_jump: opt_f64(&d, "priority_jump")?,
-        strict_priority: opt_u32(&d, "strict_priority")?,
-        pinned_worker,
-        affinity_target,
-        allowed_worker_ids: opt_u64_list(&d, "allowed_worker_ids")?,
-        routing_constraints: routing_constraints(&d)?,
-        advisory: match kind {
-            SelectKind::Select => opt_bool(&d, "advisory")?,
-            SelectKind::SelectAndReserve => None,
-        },
-        prompt: prompt(parser, &d)?,
-    })
+    let d = named_fields(v)?;
+    let mut r = SelectRequest::default();
+    for (k, v) in d.iter() {
+        match k.cast::<PyString>()?.to_str()? {
+            "model_name" => r.model_name = Some(str_value(&v)?),
+            "routing_group" => r.routing_group = Some(str_value(&v)?),
+            "selection_id" => r.selection_id = some(&v, str_value)?,
+            "session_id" => r.session_id = some(&v, str_value)?,
+            "session_context" => r.session_context = some(&v, session_context)?,
+            "router_config_override" => {
+                r.router_config_override = some(&v, router_config_override)?
+            }
+            "expected_output_tokens" => r.expected_output_tokens = some(&v, index_u32)?,
+            "priority_jump" => r.priority_jump = some(&v, real)?,
+            "strict_priority" => r.strict_priority = some(&v, index_u32)?,
+            "pinned_worker" => {
+                r.pinned_worker = some(&v, |v| {
+                    let (worker_id, dp_rank) = worker_rank(v, true)?;
+                    Ok(PinnedWorker {
+                        worker_id,
+                        dp_rank: dp_rank.unwrap_or(0),
+                    })
+                })?
+            }
+            "affinity_target" => {
+                r.affinity_target = some(&v, |v| {
+                    let (worker_id, dp_rank) = worker_rank(v, false)?;
+                    Ok(AffinityTarget { worker_id, dp_rank })
+                })?
+            }
+            "allowed_worker_ids" => r.allowed_worker_ids = some(&v, allowed_worker_ids)?,
+            "routing_constraints" => r.routing_constraints = Some(routing_constraints(&v)?),
+            "advisory" if kind == SelectKind::Select => r.advisory = some(&v, |v| v.is_truthy())?,
+            _ => {}
+        }
+    }
+    r.prompt = prompt(parser, &d)?;
+    Ok(r)
 }
 
 pub fn reservation_request(
     parser: &Parser,
     v: &Bound<'_, PyAny>,
 ) -> R<ReservationRequest<'static>> {
-    let d = as_dict(v)?;
-    Ok(ReservationRequest {
-        selection_id: required(strict_str(&d, "selection_id")?, "selection_id")?,
-        model_name: strict_str(&d, "model_name")?,
-        routing_group: strict_str(&d, "routing_group")?,
-        worker_id: opt_u64(&d, "worker_id")?,
-        dp_rank: opt_u32(&d, "dp_rank")?,
-        router_config_override: router_config_override(&d)?,
-        expected_output_tokens: opt_u32(&d, "expected_output_tokens")?,
-        effective_prefill_tokens: opt_u64(&d, "effective_prefill_tokens")?,
-        track_prefill_tokens: opt_bool(&d, "track_prefill_tokens")?,
-        prompt: prompt(parser, &d)?,
-    })
+    let d = named_fields(v)?;
+    let mut r = ReservationRequest::default();
+    let mut selection_id = None;
+    for (k, v) in d.iter() {
+        match k.cast::<PyString>()?.to_str()? {
+            "selection_id" => selection_id = Some(str_value(&v)?),
+            "model_name" => r.model_name = Some(str_value(&v)?),
+            "routing_group" => r.routing_group = Some(str_value(&v)?),
+            "worker_id" => r.worker_id = some(&v, index_u64)?,
+            "dp_rank" => r.dp_rank = some(&v, index_u32)?,
+            "router_config_override" => {
+                r.router_config_override = some(&v, router_config_override)?
+            }
+            "expected_output_tokens" => r.expected_output_tokens = some(&v, index_u32)?,
+            "effective_prefill_tokens" => r.effective_prefill_tokens = some(&v, index_u64)?,
+            "track_prefill_tokens" => r.track_prefill_tokens = some(&v, |v| v.is_truthy())?,
+            _ => {}
+        }
+    }
+    r.selection_id = required(selection_id, "selection_id")?;
+    r.prompt = prompt(parser, &d)?;
+    Ok(r)
 }
 
 pub fn prompt_query_request(
     parser: &Parser,
     v: &Bound<'_, PyAny>,
 ) -> R<PromptQueryRequest<'static>> {
-    let d = as_dict(v)?;
-    Ok(PromptQueryRequest {
-        model_name: strict_str(&d, "model_name")?,
-        routing_group: strict_str(&d, "routing_group")?,
-        router_config_override: router_config_override(&d)?,
-        prompt: prompt(parser, &d)?,
-    })
+    let d = named_fields(v)?;
+    let mut r = PromptQueryRequest::default();
+    for (k, v) in d.iter() {
+        match k.cast::<PyString>()?.to_str()? {
+            "model_name" => r.model_name = Some(str_value(&v)?),
+            "routing_group" => r.routing_group = Some(str_value(&v)?),
+            "router_config_override" => {
+                r.router_config_override = some(&v, router_config_override)?
+            }
+            _ => {}
+        }
+    }
+    r.prompt = prompt(parser, &d)?;
+    Ok(r)
 }
 
-/// An integer read as Dynamo reads `worker_id` and rank keys: a non-int is
-/// a `TypeError`'s text, a negative int an `OverflowError`'s, both raised
-/// as `ValueError`.
-fn python_uint(v: &Bound<'_, PyAny>, max: u64) -> R<u64> {
-    if v.is_instance_of::<PyBool>() || !v.is_instance_of::<PyInt>() {
-        return Err(err(format!(
-            "TypeError: '{}' object cannot be interpreted as an integer",
-            type_name(v)
-        )));
-    }
-    if v.lt(0)? {
-        return Err(err("OverflowError: can't convert negative int to unsigned"));
-    }
-    match v.extract::<u64>() {
-        Ok(n) if n <= max => Ok(n),
-        _ => Err(err("OverflowError: int too big to convert")),
-    }
+/// Which worker dict: an upsert reads `worker_id`, `model_name` and
+/// `routing_group`; a patch leaves them alone, whatever their values.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum WorkerDict {
+    Upsert,
+    Patch,
 }
 
-pub fn worker_fields(v: &Bound<'_, PyAny>) -> R<WorkerFields> {
-    let d = as_dict(v)?;
-    let worker_id = match get(&d, "worker_id")? {
-        None => return Err(err("missing field `worker_id`")),
-        Some(id) => python_uint(&id, u64::MAX)?,
-    };
-    let kv_events_endpoints = match opt_dict(&d, "kv_events_endpoints")? {
-        Some(m) => {
-            let mut out = BTreeMap::new();
-            for (k, v) in m.iter() {
-                out.insert(python_uint(&k, u32::MAX as u64)? as u32, string_value(&v)?);
+pub fn worker_fields(v: &Bound<'_, PyAny>, form: WorkerDict) -> R<WorkerFields> {
+    let d = named_fields(v)?;
+    let mut w = WorkerFields::default();
+    let mut worker_id = None;
+    let opt_string = |v: &Bound<'_, PyAny>| some(v, string_value);
+    for (k, v) in d.iter() {
+        let key = k.cast::<PyString>()?.to_str()?;
+        match (key, form) {
+            ("worker_id" | "model_name" | "routing_group", WorkerDict::Patch) => {}
+            ("worker_id", _) => worker_id = Some(index_u64(&v)?),
+            ("model_name", _) => w.model_name = Some(string_value(&v)?),
+            ("routing_group", _) => w.routing_group = Some(string_value(&v)?),
+            ("endpoint", _) => w.endpoint = opt_string(&v)?,
+            ("kv_events_endpoint", _) => w.kv_events_endpoint = opt_string(&v)?,
+            ("replay_endpoint", _) => w.replay_endpoint = opt_string(&v)?,
+            ("stable_routing_id", _) => w.stable_routing_id = opt_string(&v)?,
+            ("kv_transfer_domain", _) => w.kv_transfer_domain = opt_string(&v)?,
+            ("kv_events_endpoints", _) => {
+                w.kv_events_endpoints = some(&v, |m| {
+                    as_dict(m)?
+                        .iter()
+                        .map(|(k, v)| Ok((index_u32(&k)?, string_value(&v)?)))
+                        .collect::<R<BTreeMap<_, _>>>()
+                })?
             }
-            Some(out)
-        }
-        None => None,
-    };
-    let taints = get_some(&d, "taints")?
-        .map(|v| {
-            seq_items(&v)?
-                .iter()
-                .map(string_value)
-                .collect::<R<Vec<_>>>()
-        })
-        .transpose()?;
-    let topology_domains = match opt_dict(&d, "topology_domains")? {
-        Some(m) => {
-            let mut out = BTreeMap::new();
-            for (k, v) in m.iter() {
-                out.insert(string_value(&k)?, string_value(&v)?);
+            ("block_size", _) => w.block_size = some(&v, index_u32)?,
+            ("data_parallel_start_rank", _) => w.data_parallel_start_rank = some(&v, index_u32)?,
+            ("data_parallel_size", _) => w.data_parallel_size = some(&v, index_u32)?,
+            ("max_num_batched_tokens", _) => w.max_num_batched_tokens = some(&v, index_u64)?,
+            ("total_kv_blocks", _) => w.total_kv_blocks = some(&v, index_u64)?,
+            ("is_eagle", _) => w.is_eagle = some(&v, |v| v.is_truthy())?,
+            // `None` is refused by an upsert and left alone by a patch.
+            ("taints", WorkerDict::Patch) if v.is_none() => {}
+            ("taints", _) => {
+                w.taints = Some(sequence(&v)?.iter().map(string_value).collect::<R<_>>()?)
             }
-            Some(out)
+            ("topology_domains", _) => {
+                w.topology_domains = some(&v, |m| {
+                    as_dict(m)?
+                        .iter()
+                        .map(|(k, v)| Ok((string_value(&k)?, string_value(&v)?)))
+                        .collect::<R<BTreeMap<_, _>>>()
+                })?
+            }
+            ("kv_transfer_enforcement", _) => {
+                w.kv_transfer_enforcement = some(&v, |v| {
+                    unit_variant(
+                        v,
+                        |n| match n {
+                            "required" => Some(KvTransferEnforcement::Required),
+                            "preferred" => Some(KvTransferEnforcement::Preferred),
+                            _ => None,
+                        },
+                        "`required` or `preferred`",
+                    )
+                })?
+            }
+            ("kv_transfer_preferred_weight", _) => {
+                w.kv_transfer_preferred_weight = some(&v, real)?.map(|x| x as f32)
+            }
+            _ => {}
         }
-        None => None,
-    };
-    let kv_transfer_enforcement = match opt_string(&d, "kv_transfer_enforcement")?.as_deref() {
-        None => None,
-        Some("required") => Some(KvTransferEnforcement::Required),
-        Some("preferred") => Some(KvTransferEnforcement::Preferred),
-        Some(v) => {
-            return Err(err(format!(
-                "unknown variant `{v}`, expected `required` or `preferred`"
-            )))
-        }
-    };
-    Ok(WorkerFields {
-        worker_id,
-        model_name: strict_str(&d, "model_name")?.map(Cow::into_owned),
-        routing_group: strict_str(&d, "routing_group")?.map(Cow::into_owned),
-        endpoint: opt_string(&d, "endpoint")?,
-        kv_events_endpoint: opt_string(&d, "kv_events_endpoint")?,
-        kv_events_endpoints,
-        replay_endpoint: opt_string(&d, "replay_endpoint")?,
-        block_size: opt_u32(&d, "block_size")?,
-        data_parallel_start_rank: opt_u32(&d, "data_parallel_start_rank")?,
-        data_parallel_size: opt_u32(&d, "data_parallel_size")?,
-        max_num_batched_tokens: opt_u64(&d, "max_num_batched_tokens")?,
-        total_kv_blocks: opt_u64(&d, "total_kv_blocks")?,
-        stable_routing_id: opt_string(&d, "stable_routing_id")?,
-        is_eagle: opt_bool(&d, "is_eagle")?,
-        taints,
-        topology_domains,
-        kv_transfer_domain: opt_string(&d, "kv_transfer_domain")?,
-        kv_transfer_enforcement,
-        kv_transfer_preferred_weight: opt_f64(&d, "kv_transfer_preferred_weight")?
-            .map(|w| w as f32),
-    })
+    }
+    if form == WorkerDict::Upsert {
+        w.worker_id = required(worker_id, "worker_id")?;
+    }
+    Ok(w)
 }

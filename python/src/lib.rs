@@ -320,7 +320,7 @@ impl SelectionService {
         py: Python<'py>,
         worker: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let fields = extract::worker_fields(worker)?;
+        let fields = extract::worker_fields(worker, extract::WorkerDict::Upsert)?;
         let r = if self.closed.load(Ordering::SeqCst) {
             Err(shutting_down())
         } else {
@@ -333,18 +333,20 @@ impl SelectionService {
     fn patch_worker<'py>(
         &self,
         py: Python<'py>,
-        worker_id: u64,
-        worker: &Bound<'py, PyAny>,
+        worker_id: &Bound<'py, PyAny>,
+        patch: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let d = extract::as_dict(worker)?;
-        if !d.contains("worker_id")? {
-            d.set_item("worker_id", worker_id)?;
-        }
-        let fields = extract::worker_fields(&d)?;
+        let worker_id = extract::worker_id_arg(worker_id)?;
+        let fields = extract::worker_fields(patch, extract::WorkerDict::Patch)?;
         answer(py, py.detach(|| self.app.patch_worker(worker_id, fields)))
     }
 
-    fn delete_worker<'py>(&self, py: Python<'py>, worker_id: u64) -> PyResult<Bound<'py, PyAny>> {
+    fn delete_worker<'py>(
+        &self,
+        py: Python<'py>,
+        worker_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let worker_id = extract::worker_id_arg(worker_id)?;
         answer(py, py.detach(|| self.app.delete_worker(worker_id)))
     }
 
@@ -412,31 +414,38 @@ impl SelectionService {
     fn prefill_complete<'py>(
         &self,
         py: Python<'py>,
-        selection_id: &str,
+        selection_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let selection_id = extract::selection_id_arg(selection_id)?;
         let r = self
             .app
-            .prefill_complete(selection_id)
+            .prefill_complete(&selection_id)
             .map_err(to_py)
             .map(|()| PyTuple::empty(py).into_any());
         resolved(py, r)
     }
 
     #[pyo3(signature = (selection_id, *, decay_fraction=None))]
-    fn add_output_block(&self, selection_id: &str, decay_fraction: Option<f64>) -> PyResult<()> {
+    fn add_output_block(
+        &self,
+        selection_id: &Bound<'_, PyAny>,
+        decay_fraction: Option<f64>,
+    ) -> PyResult<()> {
+        let selection_id = extract::selection_id_arg(selection_id)?;
         self.app
-            .output_block(selection_id, decay_fraction)
+            .output_block(&selection_id, decay_fraction)
             .map_err(to_py)
     }
 
     fn free_reservation<'py>(
         &self,
         py: Python<'py>,
-        selection_id: &str,
+        selection_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let selection_id = extract::selection_id_arg(selection_id)?;
         let r = self
             .app
-            .free_reservation(selection_id)
+            .free_reservation(&selection_id)
             .map_err(to_py)
             .map(|()| PyTuple::empty(py).into_any());
         resolved(py, r)
