@@ -36,7 +36,8 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{
-    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PySequence, PyString, PyTuple,
+    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyFrozenSet, PyInt, PyList, PySequence, PySet,
+    PyString, PyTuple,
 };
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -234,7 +235,11 @@ fn serde_word(v: &Bound<'_, PyAny>) -> R<String> {
             type_name(v)
         )));
     }
-    if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
+    if v.is_instance_of::<PyList>()
+        || v.is_instance_of::<PyTuple>()
+        || v.is_instance_of::<PySet>()
+        || v.is_instance_of::<PyFrozenSet>()
+    {
         return Ok("sequence".into());
     }
     if v.is_instance_of::<PyDict>() {
@@ -548,8 +553,83 @@ fn block_mm_infos(v: &Bound<'_, PyAny>) -> R<Vec<Option<Vec<u64>>>> {
     Ok(out)
 }
 
-/// The prompt's fields of a request dict, read as serde reads them.
-fn prompt(parser: &Parser, d: &Bound<'_, PyDict>) -> R<Prompt<'static>> {
+/// A request dict's entries that no Python conversion read: the prompt and
+/// unknown fields, in the dict's order.
+type Rest<'py> = Vec<(Bound<'py, PyString>, Bound<'py, PyAny>)>;
+
+/// The check serde makes while it buffers a value, before any type is
+/// expected: every int within i64 or u64, every object of a type it has a
+/// word for (`serde_word`), throughout lists, tuples and dicts.
+fn buffered(v: &Bound<'_, PyAny>) -> R<()> {
+    if let Ok(l) = v.cast::<PyList>() {
+        return l.iter().try_for_each(|x| buffered(&x));
+    }
+    if let Ok(t) = v.cast::<PyTuple>() {
+        return t.iter().try_for_each(|x| buffered(&x));
+    }
+    if v.is_instance_of::<PySet>() || v.is_instance_of::<PyFrozenSet>() {
+        return v.try_iter()?.try_for_each(|x| buffered(&x?));
+    }
+    if let Ok(d) = v.cast::<PyDict>() {
+        return d.iter().try_for_each(|(k, x)| {
+            buffered(&k)?;
+            buffered(&x)
+        });
+    }
+    serde_word(v).map(drop)
+}
+
+/// The prompt of a request dict (`rest`: the entries no Python conversion
+/// read), as serde reads it. serde first buffers all of `rest`, unknown
+/// fields included, so an int beyond 64 bits or a value of a type it has no
+/// word for, anywhere in it, is the error even before a type error met
+/// earlier. That pass is made always for unknown fields and for the
+/// multimodal structs (whose unknown keys the typed reading skips), and for
+/// the rest of the prompt only once its reading failed: a token or hash list
+/// that reads cleanly has no such value.
+fn prompt(parser: &Parser, rest: &Rest<'_>) -> R<Prompt<'static>> {
+    let read = read_prompt(parser, rest);
+    for (k, v) in rest {
+        let key = k.to_str()?;
+        if read.is_err() && matches!(key, "token_ids" | "block_hashes" | "sequence_hashes") {
+            // A bad token or hash names its index here too.
+            if let Ok(items) = serde_seq(v) {
+                for (i, x) in items.iter().enumerate() {
+                    buffered(x).map_err(|e| indexed(e, key, i))?;
+                }
+            }
+        } else if read.is_err() || !PROMPT_FIELDS.contains(&key) || key == "block_mm_infos" {
+            buffered(v)?;
+        } else if key == "mm_routing_info" {
+            match v.cast::<PyDict>() {
+                // All but its tokens, which the typed reading took in full.
+                Ok(d) => d.iter().try_for_each(|(k, x)| {
+                    if k.is_instance_of::<PyString>() && k.eq("routing_token_ids")? {
+                        return Ok(());
+                    }
+                    buffered(&k)?;
+                    buffered(&x)
+                })?,
+                Err(_) => buffered(v)?,
+            }
+        }
+    }
+    read
+}
+
+const PROMPT_FIELDS: &[&str] = &[
+    "token_ids",
+    "block_hashes",
+    "sequence_hashes",
+    "isl_tokens",
+    "lora_name",
+    "cache_salt",
+    "is_eagle",
+    "block_mm_infos",
+    "mm_routing_info",
+];
+
+fn read_prompt(parser: &Parser, rest: &Rest<'_>) -> R<Prompt<'static>> {
     let mut p = Prompt::default();
     let opt_string = |v: &Bound<'_, PyAny>| -> R<Option<Str<'static>>> {
         some(v, |v| match v.cast::<PyString>() {
@@ -557,21 +637,18 @@ fn prompt(parser: &Parser, d: &Bound<'_, PyDict>) -> R<Prompt<'static>> {
             Err(_) => Err(serde_type(v, "a string")),
         })
     };
-    for (k, v) in d.iter() {
-        let Ok(k) = k.cast::<PyString>() else {
-            continue;
-        };
+    for (k, v) in rest {
         match k.to_str()? {
-            "token_ids" => p.token_ids = some(&v, |v| tokens(parser, v, "token_ids"))?,
-            "block_hashes" => p.block_hashes = some(&v, |v| hashes(parser, v, "block_hashes"))?,
+            "token_ids" => p.token_ids = some(v, |v| tokens(parser, v, "token_ids"))?,
+            "block_hashes" => p.block_hashes = some(v, |v| hashes(parser, v, "block_hashes"))?,
             "sequence_hashes" => {
-                p.sequence_hashes = some(&v, |v| hashes(parser, v, "sequence_hashes"))?
+                p.sequence_hashes = some(v, |v| hashes(parser, v, "sequence_hashes"))?
             }
-            "isl_tokens" => p.isl_tokens = some(&v, |v| serde_uint(v, u64::MAX, "usize"))?,
-            "lora_name" => p.lora_name = opt_string(&v)?,
-            "cache_salt" => p.cache_salt = opt_string(&v)?,
+            "isl_tokens" => p.isl_tokens = some(v, |v| serde_uint(v, u64::MAX, "usize"))?,
+            "lora_name" => p.lora_name = opt_string(v)?,
+            "cache_salt" => p.cache_salt = opt_string(v)?,
             "is_eagle" => {
-                p.is_eagle = some(&v, |v| {
+                p.is_eagle = some(v, |v| {
                     if v.is_instance_of::<PyBool>() {
                         v.is_truthy()
                     } else {
@@ -579,29 +656,29 @@ fn prompt(parser: &Parser, d: &Bound<'_, PyDict>) -> R<Prompt<'static>> {
                     }
                 })?
             }
-            "block_mm_infos" => p.block_mm_infos = some(&v, block_mm_infos)?,
-            "mm_routing_info" => {
-                p.mm_routing_info = some(&v, |v| {
-                    let m = serde_struct(v, "MmRoutingInfoRequest", 2)?;
-                    let routing = m.field(0, "routing_token_ids")?;
-                    let routing_token_ids = match &routing {
-                        Some(r) => Some(tokens(parser, r, "routing_token_ids")?),
-                        None => None,
-                    };
-                    // Absent is none; `None` is refused (not an optional field).
-                    let infos = m.field(1, "block_mm_infos")?;
-                    let block_mm_infos = infos.as_ref().map(block_mm_infos).transpose()?;
-                    required(routing_token_ids.as_ref(), "routing_token_ids")?;
-                    Ok(MmRoutingInfo {
-                        routing_token_ids,
-                        block_mm_infos,
-                    })
-                })?
-            }
+            "block_mm_infos" => p.block_mm_infos = some(v, block_mm_infos)?,
+            "mm_routing_info" => p.mm_routing_info = some(v, |v| mm_routing_info(parser, v))?,
             _ => {}
         }
     }
     Ok(p)
+}
+
+fn mm_routing_info(parser: &Parser, v: &Bound<'_, PyAny>) -> R<MmRoutingInfo> {
+    let m = serde_struct(v, "MmRoutingInfoRequest", 2)?;
+    let routing = m.field(0, "routing_token_ids")?;
+    let routing_token_ids = match &routing {
+        Some(r) => Some(tokens(parser, r, "routing_token_ids")?),
+        None => None,
+    };
+    // Absent is none; `None` is refused (not an optional field).
+    let infos = m.field(1, "block_mm_infos")?;
+    let block_mm_infos = infos.as_ref().map(block_mm_infos).transpose()?;
+    required(routing_token_ids.as_ref(), "routing_token_ids")?;
+    Ok(MmRoutingInfo {
+        routing_token_ids,
+        block_mm_infos,
+    })
 }
 
 // ----- the other fields -----
@@ -721,8 +798,10 @@ pub fn select_request(
 ) -> R<SelectRequest<'static>> {
     let d = named_fields(v)?;
     let mut r = SelectRequest::default();
+    let mut rest = Rest::new();
     for (k, v) in d.iter() {
-        match k.cast::<PyString>()?.to_str()? {
+        let k = k.cast_into::<PyString>()?;
+        match k.to_str()? {
             "model_name" => r.model_name = Some(str_value(&v)?),
             "routing_group" => r.routing_group = Some(str_value(&v)?),
             "selection_id" => r.selection_id = some(&v, str_value)?,
@@ -752,10 +831,10 @@ pub fn select_request(
             "allowed_worker_ids" => r.allowed_worker_ids = some(&v, allowed_worker_ids)?,
             "routing_constraints" => r.routing_constraints = Some(routing_constraints(&v)?),
             "advisory" if kind == SelectKind::Select => r.advisory = some(&v, |v| v.is_truthy())?,
-            _ => {}
+            _ => rest.push((k, v)),
         }
     }
-    r.prompt = prompt(parser, &d)?;
+    r.prompt = prompt(parser, &rest)?;
     Ok(r)
 }
 
@@ -766,8 +845,10 @@ pub fn reservation_request(
     let d = named_fields(v)?;
     let mut r = ReservationRequest::default();
     let mut selection_id = None;
+    let mut rest = Rest::new();
     for (k, v) in d.iter() {
-        match k.cast::<PyString>()?.to_str()? {
+        let k = k.cast_into::<PyString>()?;
+        match k.to_str()? {
             "selection_id" => selection_id = Some(str_value(&v)?),
             "model_name" => r.model_name = Some(str_value(&v)?),
             "routing_group" => r.routing_group = Some(str_value(&v)?),
@@ -779,11 +860,11 @@ pub fn reservation_request(
             "expected_output_tokens" => r.expected_output_tokens = some(&v, index_u32)?,
             "effective_prefill_tokens" => r.effective_prefill_tokens = some(&v, index_u64)?,
             "track_prefill_tokens" => r.track_prefill_tokens = some(&v, |v| v.is_truthy())?,
-            _ => {}
+            _ => rest.push((k, v)),
         }
     }
     r.selection_id = required(selection_id, "selection_id")?;
-    r.prompt = prompt(parser, &d)?;
+    r.prompt = prompt(parser, &rest)?;
     Ok(r)
 }
 
@@ -793,17 +874,19 @@ pub fn prompt_query_request(
 ) -> R<PromptQueryRequest<'static>> {
     let d = named_fields(v)?;
     let mut r = PromptQueryRequest::default();
+    let mut rest = Rest::new();
     for (k, v) in d.iter() {
-        match k.cast::<PyString>()?.to_str()? {
+        let k = k.cast_into::<PyString>()?;
+        match k.to_str()? {
             "model_name" => r.model_name = Some(str_value(&v)?),
             "routing_group" => r.routing_group = Some(str_value(&v)?),
             "router_config_override" => {
                 r.router_config_override = some(&v, router_config_override)?
             }
-            _ => {}
+            _ => rest.push((k, v)),
         }
     }
-    r.prompt = prompt(parser, &d)?;
+    r.prompt = prompt(parser, &rest)?;
     Ok(r)
 }
 

@@ -7,6 +7,8 @@ same call by call at random."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -210,3 +212,33 @@ async def test_pinned_worker_outside_the_allowed_set_is_the_schedulers_error(imp
             await svc.select(sel(pinned_worker={"worker_id": 2, "dp_rank": 0}, allowed_worker_ids=[1]))
         assert str(ei.value) == "pinned worker 2 is not in allowed worker set"
         assert (ei.value.kind, ei.value.status_code) == ("scheduler", 400)
+
+
+BUFFERED = [
+    # serde buffers the prompt and unknown fields first: an int beyond 64
+    # bits or a type it has no word for wins over any type error
+    (sel(foo=2**64), "invalid type: integer `18446744073709551616` as u128, expected any value"),
+    (sel(foo={"a": np.int64(1)}), "unsupported type int64"),
+    (sel(foo={1, 2**64}), "invalid type: integer `18446744073709551616` as u128, expected any value"),
+    ({"token_ids": "x", "lora_name": -(2**64)},
+     "invalid type: integer `-18446744073709551616` as i128, expected any value"),
+    ({"token_ids": [1, "x", 2**64]}, "invalid type: integer `18446744073709551616` as u128, expected any value"),
+    ({"token_ids": [1, "x", np.int64(3)]}, "unsupported type int64"),
+    (sel(block_mm_infos=[{"mm_objects": [], "x": 2**64}]),
+     "invalid type: integer `18446744073709551616` as u128, expected any value"),
+    (sel(block_mm_infos=[{"mm_objects": [{"mm_hash": 1, "offsets": [[0, 3, 2**64]]}]}]),
+     "invalid type: integer `18446744073709551616` as u128, expected any value"),
+]
+
+
+@pytest.mark.parametrize("req,text", BUFFERED, ids=range(len(BUFFERED)))
+@async_test
+async def test_values_serde_cannot_buffer_are_refused_first(impl, req, text):
+    async with service(impl) as svc:
+        where, msg = await outcome(lambda: svc.select(req))
+        # kvselect names a bad token's index (README)
+        assert (where, re.sub(r"^token_ids\[\d+\]: ", "", msg)) == ("call", text)
+    # Values the conversions read themselves are not buffered.
+    async with service(impl) as svc:
+        assert await outcome(lambda: svc.select(sel(expected_output_tokens=np.int64(1), foo={1, 2}))) == (
+            "await", "not_ready")
