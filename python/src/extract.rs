@@ -580,25 +580,30 @@ fn buffered(v: &Bound<'_, PyAny>) -> R<()> {
 }
 
 /// The prompt of a request dict (`rest`: the entries no Python conversion
-/// read), as serde reads it. serde first buffers all of `rest`, unknown
-/// fields included, so an int beyond 64 bits or a value of a type it has no
-/// word for, anywhere in it, is the error even before a type error met
-/// earlier. That pass is made always for unknown fields and for the
-/// multimodal structs (whose unknown keys the typed reading skips), and for
-/// the rest of the prompt only once its reading failed: a token or hash list
-/// that reads cleanly has no such value.
+/// read), as serde reads it.
 fn prompt(parser: &Parser, rest: &Rest<'_>) -> R<Prompt<'static>> {
     let read = read_prompt(parser, rest);
+    buffer(rest, read.is_err())?;
+    read
+}
+
+/// serde buffers all of `rest`, unknown fields included, before it reads
+/// anything: an int beyond 64 bits or a value of a type it has no word for,
+/// anywhere in it, is the error ahead of any other. The pass is made always
+/// for unknown fields and the multimodal structs (whose unknown keys the
+/// typed reading skips), and for the token and hash lists only when `all`
+/// (once something failed): a list that reads cleanly has no such value.
+fn buffer(rest: &Rest<'_>, all: bool) -> R<()> {
     for (k, v) in rest {
         let key = k.to_str()?;
-        if read.is_err() && matches!(key, "token_ids" | "block_hashes" | "sequence_hashes") {
+        if all && matches!(key, "token_ids" | "block_hashes" | "sequence_hashes") {
             // A bad token or hash names its index here too.
             if let Ok(items) = serde_seq(v) {
                 for (i, x) in items.iter().enumerate() {
                     buffered(x).map_err(|e| indexed(e, key, i))?;
                 }
             }
-        } else if read.is_err() || !PROMPT_FIELDS.contains(&key) || key == "block_mm_infos" {
+        } else if all || !PROMPT_FIELDS.contains(&key) || key == "block_mm_infos" {
             buffered(v)?;
         } else if key == "mm_routing_info" {
             match v.cast::<PyDict>() {
@@ -614,7 +619,7 @@ fn prompt(parser: &Parser, rest: &Rest<'_>) -> R<Prompt<'static>> {
             }
         }
     }
-    read
+    Ok(())
 }
 
 const PROMPT_FIELDS: &[&str] = &[
@@ -791,30 +796,42 @@ fn allowed_worker_ids(v: &Bound<'_, PyAny>) -> R<Vec<u64>> {
     sequence(v)?.iter().map(index_u64).collect()
 }
 
+/// A request dict read in its order: `read` converts each field it knows and
+/// answers whether it did; the others are returned for the prompt.
+fn request_fields<'py>(
+    v: &Bound<'py, PyAny>,
+    mut read: impl FnMut(&str, &Bound<'py, PyAny>) -> R<bool>,
+) -> R<Rest<'py>> {
+    let d = named_fields(v)?;
+    let mut rest = Rest::new();
+    for (k, v) in d.iter() {
+        let k = k.cast_into::<PyString>()?;
+        if !read(k.to_str()?, &v)? {
+            rest.push((k, v));
+        }
+    }
+    Ok(rest)
+}
+
 pub fn select_request(
     parser: &Parser,
     v: &Bound<'_, PyAny>,
     kind: SelectKind,
 ) -> R<SelectRequest<'static>> {
-    let d = named_fields(v)?;
     let mut r = SelectRequest::default();
-    let mut rest = Rest::new();
-    for (k, v) in d.iter() {
-        let k = k.cast_into::<PyString>()?;
-        match k.to_str()? {
-            "model_name" => r.model_name = Some(str_value(&v)?),
-            "routing_group" => r.routing_group = Some(str_value(&v)?),
-            "selection_id" => r.selection_id = some(&v, str_value)?,
-            "session_id" => r.session_id = some(&v, str_value)?,
-            "session_context" => r.session_context = some(&v, session_context)?,
-            "router_config_override" => {
-                r.router_config_override = some(&v, router_config_override)?
-            }
-            "expected_output_tokens" => r.expected_output_tokens = some(&v, index_u32)?,
-            "priority_jump" => r.priority_jump = some(&v, real)?,
-            "strict_priority" => r.strict_priority = some(&v, index_u32)?,
+    let rest = request_fields(v, |k, v| {
+        match k {
+            "model_name" => r.model_name = Some(str_value(v)?),
+            "routing_group" => r.routing_group = Some(str_value(v)?),
+            "selection_id" => r.selection_id = some(v, str_value)?,
+            "session_id" => r.session_id = some(v, str_value)?,
+            "session_context" => r.session_context = some(v, session_context)?,
+            "router_config_override" => r.router_config_override = some(v, router_config_override)?,
+            "expected_output_tokens" => r.expected_output_tokens = some(v, index_u32)?,
+            "priority_jump" => r.priority_jump = some(v, real)?,
+            "strict_priority" => r.strict_priority = some(v, index_u32)?,
             "pinned_worker" => {
-                r.pinned_worker = some(&v, |v| {
+                r.pinned_worker = some(v, |v| {
                     let (worker_id, dp_rank) = worker_rank(v, true)?;
                     Ok(PinnedWorker {
                         worker_id,
@@ -823,17 +840,18 @@ pub fn select_request(
                 })?
             }
             "affinity_target" => {
-                r.affinity_target = some(&v, |v| {
+                r.affinity_target = some(v, |v| {
                     let (worker_id, dp_rank) = worker_rank(v, false)?;
                     Ok(AffinityTarget { worker_id, dp_rank })
                 })?
             }
-            "allowed_worker_ids" => r.allowed_worker_ids = some(&v, allowed_worker_ids)?,
-            "routing_constraints" => r.routing_constraints = Some(routing_constraints(&v)?),
-            "advisory" if kind == SelectKind::Select => r.advisory = some(&v, |v| v.is_truthy())?,
-            _ => rest.push((k, v)),
+            "allowed_worker_ids" => r.allowed_worker_ids = some(v, allowed_worker_ids)?,
+            "routing_constraints" => r.routing_constraints = Some(routing_constraints(v)?),
+            "advisory" if kind == SelectKind::Select => r.advisory = some(v, |v| v.is_truthy())?,
+            _ => return Ok(false),
         }
-    }
+        Ok(true)
+    })?;
     r.prompt = prompt(parser, &rest)?;
     Ok(r)
 }
@@ -842,26 +860,27 @@ pub fn reservation_request(
     parser: &Parser,
     v: &Bound<'_, PyAny>,
 ) -> R<ReservationRequest<'static>> {
-    let d = named_fields(v)?;
     let mut r = ReservationRequest::default();
     let mut selection_id = None;
-    let mut rest = Rest::new();
-    for (k, v) in d.iter() {
-        let k = k.cast_into::<PyString>()?;
-        match k.to_str()? {
-            "selection_id" => selection_id = Some(str_value(&v)?),
-            "model_name" => r.model_name = Some(str_value(&v)?),
-            "routing_group" => r.routing_group = Some(str_value(&v)?),
-            "worker_id" => r.worker_id = some(&v, index_u64)?,
-            "dp_rank" => r.dp_rank = some(&v, index_u32)?,
-            "router_config_override" => {
-                r.router_config_override = some(&v, router_config_override)?
-            }
-            "expected_output_tokens" => r.expected_output_tokens = some(&v, index_u32)?,
-            "effective_prefill_tokens" => r.effective_prefill_tokens = some(&v, index_u64)?,
-            "track_prefill_tokens" => r.track_prefill_tokens = some(&v, |v| v.is_truthy())?,
-            _ => rest.push((k, v)),
+    let rest = request_fields(v, |k, v| {
+        match k {
+            "selection_id" => selection_id = Some(str_value(v)?),
+            "model_name" => r.model_name = Some(str_value(v)?),
+            "routing_group" => r.routing_group = Some(str_value(v)?),
+            "worker_id" => r.worker_id = some(v, index_u64)?,
+            "dp_rank" => r.dp_rank = some(v, index_u32)?,
+            "router_config_override" => r.router_config_override = some(v, router_config_override)?,
+            "expected_output_tokens" => r.expected_output_tokens = some(v, index_u32)?,
+            "effective_prefill_tokens" => r.effective_prefill_tokens = some(v, index_u64)?,
+            "track_prefill_tokens" => r.track_prefill_tokens = some(v, |v| v.is_truthy())?,
+            _ => return Ok(false),
         }
+        Ok(true)
+    })?;
+    // serde finds the id missing after buffering the rest, and before it
+    // reads the prompt.
+    if selection_id.is_none() {
+        buffer(&rest, true)?;
     }
     r.selection_id = required(selection_id, "selection_id")?;
     r.prompt = prompt(parser, &rest)?;
@@ -872,20 +891,16 @@ pub fn prompt_query_request(
     parser: &Parser,
     v: &Bound<'_, PyAny>,
 ) -> R<PromptQueryRequest<'static>> {
-    let d = named_fields(v)?;
     let mut r = PromptQueryRequest::default();
-    let mut rest = Rest::new();
-    for (k, v) in d.iter() {
-        let k = k.cast_into::<PyString>()?;
-        match k.to_str()? {
-            "model_name" => r.model_name = Some(str_value(&v)?),
-            "routing_group" => r.routing_group = Some(str_value(&v)?),
-            "router_config_override" => {
-                r.router_config_override = some(&v, router_config_override)?
-            }
-            _ => rest.push((k, v)),
+    let rest = request_fields(v, |k, v| {
+        match k {
+            "model_name" => r.model_name = Some(str_value(v)?),
+            "routing_group" => r.routing_group = Some(str_value(v)?),
+            "router_config_override" => r.router_config_override = some(v, router_config_override)?,
+            _ => return Ok(false),
         }
-    }
+        Ok(true)
+    })?;
     r.prompt = prompt(parser, &rest)?;
     Ok(r)
 }

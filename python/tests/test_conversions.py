@@ -158,6 +158,11 @@ async def test_reservation_and_query_conversions(impl):
             "call", "TypeError: 'float' object cannot be interpreted as an integer")
         assert await outcome(lambda: svc.overlap_scores({"model_name": "m", "token_ids": {1: 2}})) == (
             "call", "invalid type: map, expected a sequence")
+        # The missing id is found after the buffering and before the prompt's types.
+        assert await outcome(lambda: svc.create_reservation({"token_ids": "x"})) == (
+            "call", "missing field `selection_id`")
+        assert await outcome(lambda: svc.create_reservation({"token_ids": [1], "foo": np.int64(1)})) == (
+            "call", "unsupported type int64")
 
 
 @async_test
