@@ -313,9 +313,15 @@ class Corpus:
 
 def records(body):
     """Worker records without kvselect's added `kv_streams` (README,
-    "Connecting engines")."""
+    "Connecting engines"), their taints in order (the reference lists a
+    worker's taints in an order that changes from run to run)."""
     def strip(r):
-        return {k: v for k, v in r.items() if k != "kv_streams"} if isinstance(r, dict) else r
+        if not isinstance(r, dict):
+            return r
+        r = {k: v for k, v in r.items() if k != "kv_streams"}
+        if isinstance(r.get("taints"), list):
+            r["taints"] = sorted(r["taints"], key=str)
+        return r
     if isinstance(body, list):
         return [strip(r) for r in body]
     if isinstance(body, dict) and isinstance(body.get("workers"), list) and "ready" in body:
@@ -527,7 +533,7 @@ def applied(s):
         body = json.dumps({"model_name": "m", "token_ids": prompt[:128]}).encode()
         for w in jbody(s.call("POST", "/overlap_scores", body)[2])["workers"]:
             tiers[(w["worker_id"], prompt is PROMPT_A)] = (w["device_blocks"], w["host_pinned_blocks"])
-    return tiers[(1, True)], tiers[(2, True)], tiers[(3, False)]
+    return tiers.get((1, True)), tiers.get((2, True)), tiers.get((3, False))
 
 
 def prepare(servers, pubs, queue):
@@ -561,6 +567,22 @@ def prepare(servers, pubs, queue):
             st, _, data = s.call("POST", "/reservations", json.dumps(body).encode())
             assert st == 201, (s.name, st, data)
     return seq
+
+
+def state_differences(kv, dy):
+    """Where the two servers' state parts: their /loads, /workers and /ready,
+    and their index (nothing after the setup changes what the engines
+    cached). A list of (what, path, kvselect's answer, the reference's, note)."""
+    out = []
+    for p in ("/loads", "/workers", "/ready"):
+        sa, sb = kv.call("GET", p), dy.call("GET", p)
+        if normalise(p, sa[0], jbody(sa[2]), None) != normalise(p, sb[0], jbody(sb[2]), None):
+            out.append(("state", p, sa, sb, "state differs"))
+    got = {s.name: applied(s) for s in (kv, dy)}
+    if any(g != CACHED for g in got.values()):
+        out.append(("index", "/overlap_scores", (0, "", b""), (0, "", b""),
+                    f"cached blocks {got}, published {CACHED}"))
+    return out
 
 
 def free_port():
@@ -666,15 +688,8 @@ def main():
             else:
                 mismatches.append((i, kind, method, path, raw, a, b, ""))
             if i % 25 == 24:
-                for p in ("/loads", "/workers", "/ready"):
-                    sa, sb = kv.call("GET", p), dy.call("GET", p)
-                    if normalise(p, sa[0], jbody(sa[2]), None) != normalise(p, sb[0], jbody(sb[2]), None):
-                        mismatches.append((i, "state", "GET", p, None, sa, sb, "state differs"))
-                # The index: nothing after the setup changes what the engines cached.
-                got = {s.name: applied(s) for s in (kv, dy)}
-                if any(g != CACHED for g in got.values()):
-                    mismatches.append((i, "index", "POST", "/overlap_scores", None, (0, "", b""),
-                                       (0, "", b""), f"cached blocks {got}, published {CACHED}"))
+                for (what, p, sa, sb, note) in state_differences(kv, dy):
+                    mismatches.append((i, what, "GET", p, None, sa, sb, note))
             if len(mismatches) >= 40:
                 break
     finally:
