@@ -71,6 +71,9 @@ impl Ledger {
         SLOT_HITS.with(|t| {
             let (hits, qslots, run) = &mut *t.borrow_mut();
             qslots.clear();
+            // Chained ranks mostly share one prefix with the query (the
+            // system prompt): each rank's answer is the next one's guess.
+            let mut hint = 0;
             // A rank in chained mode answers a chained query from its lists;
             // the table answers for the others (an arbitrary query first
             // moves a chained rank's bookings into the table).
@@ -81,7 +84,7 @@ impl Ledger {
                 };
                 let mut chains = cell.chains.lock();
                 if !chains.tabled && form == IdentityForm::Chained {
-                    *o -= chains.max_lcp(identities) as u64;
+                    *o -= chains.max_lcp(identities, &mut hint) as u64;
                     qslots.push(NO_QUERY);
                 } else {
                     self.table_rank(&mut chains, &cell);
