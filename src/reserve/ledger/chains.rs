@@ -52,25 +52,27 @@ pub(super) struct Chains {
 #[inline]
 fn chain_lcp(a: &[u64], b: &[u64], at_least: usize, hint: usize) -> usize {
     let n = a.len().min(b.len());
-    if at_least >= n || a[at_least] != b[at_least] {
+    if at_least >= n {
         return at_least;
     }
     // Equal before `lo`; the first difference (or n) lies in lo..=hi.
-    let (mut lo, mut hi) = (at_least + 1, n);
-    if (lo..=hi).contains(&hint) {
-        if hint > lo {
-            if a[hint - 1] == b[hint - 1] {
-                lo = hint;
-            } else {
-                hi = hint - 1;
-            }
+    let (mut lo, mut hi) = (at_least, n);
+    if at_least < hint && hint <= n {
+        // Agreeing just before the guess means agreeing on all before it:
+        // the probe at `at_least` (the list's cold first line) is skipped.
+        if a[hint - 1] == b[hint - 1] {
+            lo = hint;
+        } else {
+            hi = hint - 1;
         }
-        if lo == hint && hint < hi {
-            if a[hint] == b[hint] {
-                lo = hint + 1;
-            } else {
-                hi = hint;
-            }
+    }
+    // The next probe: just past a confirmed guess, else at `at_least` (a
+    // list that differs there cannot beat the best so far).
+    if lo < hi {
+        if a[lo] == b[lo] {
+            lo += 1;
+        } else {
+            hi = lo;
         }
     }
     while lo < hi {
