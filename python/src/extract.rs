@@ -21,6 +21,10 @@
 //!   read in the dict's order, before the prompt, so the first bad one is the
 //!   one reported. Their dicts must have string keys.
 //!
+//! In both, any `collections.abc.Mapping` reads as a dict ([`mapping`]) and
+//! any other `Sequence` or set as a list ([`sequence_items`]), as they do in
+//! the reference.
+//!
 //! Tokens are the one large input: a `list` is read item by item with no
 //! Python call per item beyond reading the int; buffer-protocol objects
 //! (`array('I')`, numpy `uint32`, `bytes`/`memoryview` of little-endian u32)
@@ -36,8 +40,8 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{
-    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyFrozenSet, PyInt, PyList, PySequence, PySet,
-    PyString, PyTuple,
+    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyFrozenSet, PyInt, PyList, PyMapping,
+    PySequence, PySet, PyString, PyTuple,
 };
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -80,10 +84,37 @@ fn real(v: &Bound<'_, PyAny>) -> R<f64> {
     v.extract::<f64>().map_err(wrapped)
 }
 
-/// The request itself, or a nested object: a dict (any other type is refused
-/// as Dynamo does).
+/// Is `v` a mapping: a dict, or any `collections.abc.Mapping`?
+fn is_mapping(v: &Bound<'_, PyAny>) -> bool {
+    v.is_instance_of::<PyDict>() || v.cast::<PyMapping>().is_ok()
+}
+
+/// A mapping's entries as a dict: a dict itself, or another
+/// `collections.abc.Mapping` read as Dynamo reads one (its `keys()` and
+/// `values()` lists, `len()` entries; what they raise is the error, as
+/// `Type: message`). `None` when `v` is no mapping.
+fn mapping<'py>(v: &Bound<'py, PyAny>) -> R<Option<Bound<'py, PyDict>>> {
+    if let Ok(d) = v.cast::<PyDict>() {
+        return Ok(Some(d.clone()));
+    }
+    let Ok(m) = v.cast::<PyMapping>() else {
+        return Ok(None);
+    };
+    let entries = || -> R<Bound<'py, PyDict>> {
+        let (keys, values) = (m.keys()?, m.values()?);
+        let d = PyDict::new(v.py());
+        for i in 0..m.len()? {
+            d.set_item(keys.get_item(i)?, values.get_item(i)?)?;
+        }
+        Ok(d)
+    };
+    entries().map(Some).map_err(wrapped)
+}
+
+/// The request itself, or a nested object: a mapping (any other type is
+/// refused as Dynamo does).
 fn as_dict<'py>(v: &Bound<'py, PyAny>) -> R<Bound<'py, PyDict>> {
-    v.cast::<PyDict>().cloned().map_err(|_| {
+    mapping(v)?.ok_or_else(|| {
         err(format!(
             "unexpected type: '{}' object cannot be converted to 'Mapping'",
             type_name(v)
@@ -148,7 +179,7 @@ fn unit_variant<T>(
     variant: impl Fn(&str) -> Option<T>,
     expected: &str,
 ) -> R<T> {
-    let name = if let Ok(d) = v.cast::<PyDict>() {
+    let name = if let Some(d) = mapping(v)? {
         if d.len() != 1 {
             return Err(err("expected tagged enum dict to have exactly 1 key"));
         }
@@ -235,14 +266,10 @@ fn serde_word(v: &Bound<'_, PyAny>) -> R<String> {
             type_name(v)
         )));
     }
-    if v.is_instance_of::<PyList>()
-        || v.is_instance_of::<PyTuple>()
-        || v.is_instance_of::<PySet>()
-        || v.is_instance_of::<PyFrozenSet>()
-    {
+    if is_sequence(v) || v.is_instance_of::<PySet>() || v.is_instance_of::<PyFrozenSet>() {
         return Ok("sequence".into());
     }
-    if v.is_instance_of::<PyDict>() {
+    if is_mapping(v) {
         return Ok("map".into());
     }
     Err(err(format!("unsupported type {}", type_name(v))))
@@ -269,19 +296,47 @@ fn serde_uint(v: &Bound<'_, PyAny>, max: u64, what: &str) -> R<u64> {
     }
 }
 
-/// A list or tuple, as serde reads a sequence.
-fn serde_seq<'py>(v: &Bound<'py, PyAny>) -> R<Vec<Bound<'py, PyAny>>> {
-    if let Ok(l) = v.cast::<PyList>() {
-        return Ok(l.iter().collect());
-    }
-    if let Ok(t) = v.cast::<PyTuple>() {
-        return Ok(t.iter().collect());
-    }
-    Err(serde_type(v, "a sequence"))
+/// Is `v` read as a sequence: a list, a tuple, or another
+/// `collections.abc.Sequence` but a string or bytes (`range`, `deque`,
+/// `array`, user sequences)?
+fn is_sequence(v: &Bound<'_, PyAny>) -> bool {
+    v.is_instance_of::<PyList>()
+        || v.is_instance_of::<PyTuple>()
+        || (!v.is_instance_of::<PyString>()
+            && !v.is_instance_of::<PyBytes>()
+            && !v.is_instance_of::<PyByteArray>()
+            && v.cast::<PySequence>().is_ok())
 }
 
-/// A struct's fields as serde reads them: from a dict by name, or from a
-/// list in order.
+/// A sequence's items, as serde reads them (`None` when `v` is none): a
+/// list or tuple directly, a set in its iteration order, another sequence
+/// by `len()` and index (what those raise is the error, as `Type: message`).
+fn sequence_items<'py>(v: &Bound<'py, PyAny>) -> R<Option<Vec<Bound<'py, PyAny>>>> {
+    if let Ok(l) = v.cast::<PyList>() {
+        return Ok(Some(l.iter().collect()));
+    }
+    if let Ok(t) = v.cast::<PyTuple>() {
+        return Ok(Some(t.iter().collect()));
+    }
+    if v.is_instance_of::<PySet>() || v.is_instance_of::<PyFrozenSet>() {
+        let items = || -> R<Vec<Bound<'py, PyAny>>> { v.try_iter()?.collect() };
+        return items().map(Some).map_err(wrapped);
+    }
+    if !is_sequence(v) {
+        return Ok(None);
+    }
+    let s = v.cast::<PySequence>()?;
+    let items = || -> R<Vec<Bound<'py, PyAny>>> { (0..s.len()?).map(|i| s.get_item(i)).collect() };
+    items().map(Some).map_err(wrapped)
+}
+
+/// A sequence, as serde reads one (`expected a sequence` otherwise).
+fn serde_seq<'py>(v: &Bound<'py, PyAny>) -> R<Vec<Bound<'py, PyAny>>> {
+    sequence_items(v)?.ok_or_else(|| serde_type(v, "a sequence"))
+}
+
+/// A struct's fields as serde reads them: from a mapping by name, or from
+/// a sequence in order.
 enum StructForm<'py> {
     Map(Bound<'py, PyDict>),
     Seq(Vec<Bound<'py, PyAny>>),
@@ -290,18 +345,18 @@ enum StructForm<'py> {
 struct SerdeStruct<'py> {
     form: StructForm<'py>,
     name: &'static str,
-    fields: usize,
+    fields: &'static [&'static str],
 }
 
 fn serde_struct<'py>(
     v: &Bound<'py, PyAny>,
     name: &'static str,
-    fields: usize,
+    fields: &'static [&'static str],
 ) -> R<SerdeStruct<'py>> {
-    let form = if let Ok(d) = v.cast::<PyDict>() {
-        StructForm::Map(d.clone())
-    } else if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
-        StructForm::Seq(serde_seq(v)?)
+    let form = if let Some(d) = mapping(v)? {
+        StructForm::Map(d)
+    } else if let Some(items) = sequence_items(v)? {
+        StructForm::Seq(items)
     } else {
         return Err(serde_type(v, &format!("struct {name}")));
     };
@@ -309,29 +364,75 @@ fn serde_struct<'py>(
 }
 
 impl<'py> SerdeStruct<'py> {
-    /// Field `i`, named `key`: absent from a dict is `None` (the caller
-    /// names it missing); a list too short to have it is a length error.
-    /// serde also takes a dict's integer key as the index of a field.
-    fn field(&self, i: usize, key: &str) -> R<Option<Bound<'py, PyAny>>> {
+    /// Reads the fields in serde's order, `read(field index, value)` for
+    /// each one present. From a mapping: its entries in order; a key names
+    /// a field (a string or bytes), or gives its index (an int >= 0), or is
+    /// skipped (another name or index); a key of any other type is refused,
+    /// and so is a field given twice. From a sequence: the elements in order;
+    /// one too short fails where the missing element is due, one too long
+    /// after the last field. Missing fields are the caller's to name.
+    fn read(&self, mut read: impl FnMut(usize, &Bound<'py, PyAny>) -> R<()>) -> R<()> {
         match &self.form {
-            StructForm::Map(d) => match d.get_item(key)? {
-                Some(v) => Ok(Some(v)),
-                None => d.get_item(i),
-            },
-            StructForm::Seq(items) => match items.get(i) {
-                Some(v) => Ok(Some(v.clone())),
-                None => {
-                    let s = if self.fields == 1 { "" } else { "s" };
-                    Err(err(format!(
-                        "invalid length {}, expected struct {} with {} element{s}",
-                        items.len(),
-                        self.name,
-                        self.fields
-                    )))
+            StructForm::Map(d) => {
+                let mut seen = 0u64;
+                for (k, v) in d.iter() {
+                    let Some(i) = self.field_of(&k)? else {
+                        continue;
+                    };
+                    if seen & (1 << i) != 0 {
+                        return Err(err(format!("duplicate field `{}`", self.fields[i])));
+                    }
+                    seen |= 1 << i;
+                    read(i, &v)?;
                 }
-            },
+                Ok(())
+            }
+            StructForm::Seq(items) => {
+                let n = self.fields.len();
+                for i in 0..n {
+                    let Some(v) = items.get(i) else {
+                        let s = if n == 1 { "" } else { "s" };
+                        return Err(err(format!(
+                            "invalid length {}, expected struct {} with {n} element{s}",
+                            items.len(),
+                            self.name,
+                        )));
+                    };
+                    read(i, v)?;
+                }
+                if items.len() > n {
+                    return Err(too_long(items.len(), n));
+                }
+                Ok(())
+            }
         }
     }
+
+    /// The field a mapping's key stands for, as serde's field identifier
+    /// reads it.
+    fn field_of(&self, k: &Bound<'py, PyAny>) -> R<Option<usize>> {
+        let by_name = |name: &[u8]| self.fields.iter().position(|f| f.as_bytes() == name);
+        if let Ok(s) = k.cast::<PyString>() {
+            return Ok(by_name(s.to_str()?.as_bytes()));
+        }
+        if let Ok(b) = k.cast::<PyBytes>() {
+            return Ok(by_name(b.as_bytes()));
+        }
+        if k.is_instance_of::<PyInt>() && !k.is_instance_of::<PyBool>() {
+            if let Ok(i) = k.extract::<u64>() {
+                return Ok(usize::try_from(i).ok().filter(|&i| i < self.fields.len()));
+            }
+        }
+        Err(serde_type(k, "field identifier"))
+    }
+}
+
+/// serde's error for a sequence with elements left after the `read` it wanted.
+fn too_long(len: usize, read: usize) -> PyErr {
+    let s = if read == 1 { "" } else { "s" };
+    err(format!(
+        "invalid length {len}, expected {read} element{s} in sequence"
+    ))
 }
 
 // ----- tokens and hashes -----
@@ -372,7 +473,7 @@ fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
     }
     // Types serde reads as something else than a sequence.
     if v.is_instance_of::<PyString>()
-        || v.is_instance_of::<PyDict>()
+        || is_mapping(v)
         || v.is_instance_of::<PyInt>()
         || v.is_instance_of::<PyFloat>()
     {
@@ -510,47 +611,61 @@ fn block_mm_infos(v: &Bound<'_, PyAny>) -> R<Vec<Option<Vec<u64>>>> {
             out.push(None);
             continue;
         }
-        let b = serde_struct(&block, "BlockExtraInfo", 1)?;
-        let objs = required(b.field(0, "mm_objects")?, "mm_objects")?;
-        let mut hashes = Vec::new();
-        for o in serde_seq(&objs)? {
-            let o = serde_struct(&o, "BlockMmObjectInfo", 2)?;
-            // Each field is read as it is reached: a list that is too short
-            // fails only after its elements converted.
-            let h = match o.field(0, "mm_hash")? {
-                Some(h) => Some(serde_uint(&h, u64::MAX, "u64")?),
-                None => None,
-            };
-            let offsets = o.field(1, "offsets")?;
-            let h = required(h, "mm_hash")?;
-            for pair in serde_seq(&required(offsets, "offsets")?)? {
-                let p = if pair.is_instance_of::<PyList>() || pair.is_instance_of::<PyTuple>() {
-                    serde_seq(&pair)?
-                } else {
-                    return Err(serde_type(&pair, "a tuple of size 2"));
-                };
-                // The first two are read, then the length is checked.
-                for x in p.iter().take(2) {
-                    serde_uint(x, u64::MAX, "usize")?;
-                }
-                if p.len() < 2 {
-                    return Err(err(format!(
-                        "invalid length {}, expected a tuple of size 2",
-                        p.len()
-                    )));
-                }
-                if p.len() > 2 {
-                    return Err(err(format!(
-                        "invalid length {}, expected 2 elements in sequence",
-                        p.len()
-                    )));
-                }
-            }
-            hashes.push(h);
-        }
-        out.push(Some(hashes));
+        let b = serde_struct(&block, "BlockExtraInfo", &["mm_objects"])?;
+        let mut hashes = None;
+        b.read(|_, objs| {
+            hashes = Some(mm_objects(objs)?);
+            Ok(())
+        })?;
+        out.push(Some(required(hashes, "mm_objects")?));
     }
     Ok(out)
+}
+
+/// A block's `mm_objects`: their `mm_hash`es, each object's `offsets`
+/// checked as serde reads them.
+fn mm_objects(v: &Bound<'_, PyAny>) -> R<Vec<u64>> {
+    let mut hashes = Vec::new();
+    for o in serde_seq(v)? {
+        let o = serde_struct(&o, "BlockMmObjectInfo", &["mm_hash", "offsets"])?;
+        let (mut hash, mut offsets) = (None, false);
+        o.read(|i, x| {
+            if i == 0 {
+                hash = Some(serde_uint(x, u64::MAX, "u64")?);
+            } else {
+                mm_offsets(x)?;
+                offsets = true;
+            }
+            Ok(())
+        })?;
+        let hash = required(hash, "mm_hash")?;
+        required(offsets.then_some(()), "offsets")?;
+        hashes.push(hash);
+    }
+    Ok(hashes)
+}
+
+/// An object's `offsets`: pairs of usize.
+fn mm_offsets(v: &Bound<'_, PyAny>) -> R<()> {
+    for pair in serde_seq(v)? {
+        let Some(p) = sequence_items(&pair)? else {
+            return Err(serde_type(&pair, "a tuple of size 2"));
+        };
+        // The first two are read, then the length is checked.
+        for x in p.iter().take(2) {
+            serde_uint(x, u64::MAX, "usize")?;
+        }
+        if p.len() < 2 {
+            return Err(err(format!(
+                "invalid length {}, expected a tuple of size 2",
+                p.len()
+            )));
+        }
+        if p.len() > 2 {
+            return Err(too_long(p.len(), 2));
+        }
+    }
+    Ok(())
 }
 
 /// A request dict's entries that no Python conversion read: the prompt and
@@ -561,16 +676,10 @@ type Rest<'py> = Vec<(Bound<'py, PyString>, Bound<'py, PyAny>)>;
 /// expected: every int within i64 or u64, every object of a type it has a
 /// word for (`serde_word`), throughout lists, tuples and dicts.
 fn buffered(v: &Bound<'_, PyAny>) -> R<()> {
-    if let Ok(l) = v.cast::<PyList>() {
-        return l.iter().try_for_each(|x| buffered(&x));
+    if let Some(items) = sequence_items(v)? {
+        return items.iter().try_for_each(buffered);
     }
-    if let Ok(t) = v.cast::<PyTuple>() {
-        return t.iter().try_for_each(|x| buffered(&x));
-    }
-    if v.is_instance_of::<PySet>() || v.is_instance_of::<PyFrozenSet>() {
-        return v.try_iter()?.try_for_each(|x| buffered(&x?));
-    }
-    if let Ok(d) = v.cast::<PyDict>() {
+    if let Some(d) = mapping(v)? {
         return d.iter().try_for_each(|(k, x)| {
             buffered(&k)?;
             buffered(&x)
@@ -606,16 +715,16 @@ fn buffer(rest: &Rest<'_>, all: bool) -> R<()> {
         } else if all || !PROMPT_FIELDS.contains(&key) || key == "block_mm_infos" {
             buffered(v)?;
         } else if key == "mm_routing_info" {
-            match v.cast::<PyDict>() {
+            match mapping(v)? {
                 // All but its tokens, which the typed reading took in full.
-                Ok(d) => d.iter().try_for_each(|(k, x)| {
+                Some(d) => d.iter().try_for_each(|(k, x)| {
                     if k.is_instance_of::<PyString>() && k.eq("routing_token_ids")? {
                         return Ok(());
                     }
                     buffered(&k)?;
                     buffered(&x)
                 })?,
-                Err(_) => buffered(v)?,
+                None => buffered(v)?,
             }
         }
     }
@@ -637,9 +746,19 @@ const PROMPT_FIELDS: &[&str] = &[
 fn read_prompt(parser: &Parser, rest: &Rest<'_>) -> R<Prompt<'static>> {
     let mut p = Prompt::default();
     let opt_string = |v: &Bound<'_, PyAny>| -> R<Option<Str<'static>>> {
-        some(v, |v| match v.cast::<PyString>() {
-            Ok(s) => Ok(Cow::Owned(s.to_str()?.to_string())),
-            Err(_) => Err(serde_type(v, "a string")),
+        some(v, |v| {
+            if let Ok(s) = v.cast::<PyString>() {
+                return Ok(Cow::Owned(s.to_str()?.to_string()));
+            }
+            // serde takes bytes for a string when they are UTF-8.
+            match v
+                .cast::<PyBytes>()
+                .map(|b| std::str::from_utf8(b.as_bytes()))
+            {
+                Ok(Ok(s)) => Ok(Cow::Owned(s.to_string())),
+                Ok(Err(_)) => Err(err("invalid value: byte array, expected a string")),
+                Err(_) => Err(serde_type(v, "a string")),
+            }
         })
     };
     for (k, v) in rest {
@@ -670,19 +789,25 @@ fn read_prompt(parser: &Parser, rest: &Rest<'_>) -> R<Prompt<'static>> {
 }
 
 fn mm_routing_info(parser: &Parser, v: &Bound<'_, PyAny>) -> R<MmRoutingInfo> {
-    let m = serde_struct(v, "MmRoutingInfoRequest", 2)?;
-    let routing = m.field(0, "routing_token_ids")?;
-    let routing_token_ids = match &routing {
-        Some(r) => Some(tokens(parser, r, "routing_token_ids")?),
-        None => None,
-    };
-    // Absent is none; `None` is refused (not an optional field).
-    let infos = m.field(1, "block_mm_infos")?;
-    let block_mm_infos = infos.as_ref().map(block_mm_infos).transpose()?;
+    let m = serde_struct(
+        v,
+        "MmRoutingInfoRequest",
+        &["routing_token_ids", "block_mm_infos"],
+    )?;
+    // Absent `block_mm_infos` is none; `None` is refused (not an optional field).
+    let (mut routing_token_ids, mut infos) = (None, None);
+    m.read(|i, x| {
+        if i == 0 {
+            routing_token_ids = Some(tokens(parser, x, "routing_token_ids")?);
+        } else {
+            infos = Some(block_mm_infos(x)?);
+        }
+        Ok(())
+    })?;
     required(routing_token_ids.as_ref(), "routing_token_ids")?;
     Ok(MmRoutingInfo {
         routing_token_ids,
-        block_mm_infos,
+        block_mm_infos: infos,
     })
 }
 

@@ -7,7 +7,11 @@ same call by call at random."""
 
 from __future__ import annotations
 
+import array
+import collections
+import collections.abc
 import re
+import types
 
 import numpy as np
 import pytest
@@ -247,3 +251,120 @@ async def test_values_serde_cannot_buffer_are_refused_first(impl, req, text):
     async with service(impl) as svc:
         assert await outcome(lambda: svc.select(sel(expected_output_tokens=np.int64(1), foo={1, 2}))) == (
             "await", "not_ready")
+
+
+class Mapping(collections.abc.Mapping):
+    """A mapping that is not a dict."""
+
+    def __init__(self, d):
+        self.d = d
+
+    def __getitem__(self, k):
+        return self.d[k]
+
+    def __iter__(self):
+        return iter(self.d)
+
+    def __len__(self):
+        return len(self.d)
+
+
+class NoValues(Mapping):
+    def values(self):
+        raise TypeError("no values")
+
+
+class Sequence(collections.abc.Sequence):
+    """A sequence that is not a list or tuple."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __len__(self):
+        return len(self.items)
+
+
+class BadItem(Sequence):
+    def __getitem__(self, i):
+        raise KeyError("nope")
+
+
+def mm_object(**fields):
+    return sel(block_mm_infos=[{"mm_objects": [fields]}])
+
+
+# Any collections.abc.Mapping reads as a dict, any Sequence (range, deque,
+# array, user classes) and any set as a list, strings from bytes when UTF-8.
+MAPPINGS_AND_SEQUENCES_ACCEPTED = [
+    Mapping(sel()),
+    types.MappingProxyType(sel()),
+    sel(pinned_worker=Mapping({"worker_id": 1, "dp_rank": 0})),
+    sel(session_context=Mapping({"session_id": "s",
+                                 "input_trigger": Mapping({"tool_result": None})})),
+    sel(router_config_override=Mapping({"assume_kv_reuse": False})),
+    sel(block_mm_infos=[Mapping({"mm_objects": []})]),
+    {"token_ids": [1], "mm_routing_info": Mapping({0: [1], 1: []})},
+    sel(foo=Mapping({"a": 1})),
+    sel(foo=collections.deque([1])),
+    sel(foo=array.array("I", [1])),
+    sel(foo=memoryview(b"ab")),
+    {"block_hashes": Sequence([1]), "sequence_hashes": array.array("q", [2]), "isl_tokens": 3},
+    {"block_hashes": {1}, "sequence_hashes": [2], "isl_tokens": 3},
+    sel(block_mm_infos=Sequence([Sequence([[]])])),
+    mm_object(mm_hash=1, offsets=[range(2), Sequence([0, 1])]),
+    sel(lora_name=b"adapter", cache_salt=b"salt"),
+    # keys of a struct's mapping: another name or an index past the fields is skipped
+    sel(block_mm_infos=[{"mm_objects": [], 5: 1, b"x": 2}]),
+    sel(block_mm_infos=[{b"mm_objects": []}]),
+]
+
+
+@pytest.mark.parametrize("req", MAPPINGS_AND_SEQUENCES_ACCEPTED,
+                         ids=range(len(MAPPINGS_AND_SEQUENCES_ACCEPTED)))
+@async_test
+async def test_mappings_and_sequences_of_any_type_accept(impl, req):
+    async with service(impl) as svc:
+        assert await outcome(lambda: svc.select(req)) == ("await", "not_ready")
+
+
+MAPPINGS_AND_SEQUENCES_REFUSED = [
+    (Mapping({"token_ids": [1], 5: 1}), "dict keys must have type str"),
+    (Mapping({"expected_output_tokens": "x", "model_name": 5}),
+     "TypeError: 'str' object cannot be interpreted as an integer"),
+    (NoValues(sel()), "TypeError: no values"),
+    (sel(session_context=NoValues({"session_id": "s"})), "TypeError: no values"),
+    (sel(token_ids=Mapping({0: 1})), "invalid type: map, expected a sequence"),
+    (sel(cache_salt=Mapping({})), "invalid type: map, expected a string"),
+    (sel(foo=Mapping({"a": 2**64})), "invalid type: integer `18446744073709551616` as u128, expected any value"),
+    (sel(foo=Sequence([1, 2**64])), "invalid type: integer `18446744073709551616` as u128, expected any value"),
+    (sel(foo=BadItem([1])), "KeyError: 'nope'"),
+    (sel(lora_name=Sequence([1])), "invalid type: sequence, expected a string"),
+    (sel(lora_name=b"\xff"), "invalid value: byte array, expected a string"),
+    # a struct in list form with elements past its fields, once they read
+    (sel(block_mm_infos=[[[], 5]]), "invalid length 2, expected 1 element in sequence"),
+    ({"token_ids": [1], "mm_routing_info": [[1, 2], [], 5]}, "invalid length 3, expected 2 elements in sequence"),
+    (sel(block_mm_infos=[{"mm_objects": [Sequence([None, [], 7])]}]), "invalid type: unit value, expected u64"),
+    # a struct's mapping is read in its order; keys name or number the fields
+    (mm_object(offsets=[5], mm_hash=None), "invalid type: integer `5`, expected a tuple of size 2"),
+    (mm_object(mm_hash=None, offsets=[5]), "invalid type: unit value, expected u64"),
+    (mm_object(offsets=[5]), "invalid type: integer `5`, expected a tuple of size 2"),
+    ({"token_ids": [1], "mm_routing_info": {"block_mm_infos": 5, "routing_token_ids": "x"}},
+     "invalid type: integer `5`, expected a sequence"),
+    (sel(block_mm_infos=[{"mm_objects": [], 0: []}]), "duplicate field `mm_objects`"),
+    (sel(block_mm_infos=[{"mm_objects": [], 1.5: 1}]), "invalid type: floating point `1.5`, expected field identifier"),
+    (sel(block_mm_infos=[{"mm_objects": [], -1: 1}]), "invalid type: integer `-1`, expected field identifier"),
+    (sel(block_mm_infos=[{"mm_objects": [], True: 1}]), "invalid type: boolean `true`, expected field identifier"),
+    (sel(block_mm_infos=[{"mm_objects": [], None: 1}]), "invalid type: unit value, expected field identifier"),
+    (sel(block_mm_infos=[{"mm_objects": [], (1,): 1}]), "invalid type: sequence, expected field identifier"),
+]
+
+
+@pytest.mark.parametrize("req,text", MAPPINGS_AND_SEQUENCES_REFUSED,
+                         ids=range(len(MAPPINGS_AND_SEQUENCES_REFUSED)))
+@async_test
+async def test_mappings_and_sequences_refuse_with_the_reference_text(impl, req, text):
+    async with service(impl) as svc:
+        assert await outcome(lambda: svc.select(req)) == ("call", text)
