@@ -16,7 +16,9 @@ call of a seeded random corpus on both, in the same order. The corpus is
 `loads`, `list_workers`, `ready`), and a share of the calls broken the way
 Python callers break them: a field dropped or given another Python type
 (None, bool, float, NaN, out-of-range int, str, bytes, tuple, list, dict),
-a bad element inside a list, the whole argument of another type, an
+a bad element inside a list, a nested dict or list passed as another
+mapping or sequence type (a `collections.abc.Mapping` or `Sequence` of
+its own, a tuple, a deque), the whole argument of another type, an
 argument too many, an unknown keyword.
 
 The two outcomes must agree: the returned object (up to `http_diff.py`'s
@@ -33,6 +35,8 @@ mismatch, printing each.
 """
 import argparse
 import asyncio
+import collections
+import collections.abc
 import copy
 import importlib
 import json
@@ -62,6 +66,41 @@ NOT_ENGINES = [w for w in PY_WRONG if not (isinstance(w, int) and 1 <= w <= 3)]
 # Bad elements of a list.
 BAD_ITEMS = [-1, 2**32, 2**64, 1.0, True, "1", None, [1], 1.5]
 TOKEN_KEYS = ("token_ids", "routing_token_ids")
+
+
+class Mapping(collections.abc.Mapping):
+    """A mapping that is not a dict."""
+
+    def __init__(self, d):
+        self.d = d
+
+    def __getitem__(self, k):
+        return self.d[k]
+
+    def __iter__(self):
+        return iter(self.d)
+
+    def __len__(self):
+        return len(self.d)
+
+    def __repr__(self):
+        return f"Mapping({self.d!r})"
+
+
+class Sequence(collections.abc.Sequence):
+    """A sequence that is not a list or tuple."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __repr__(self):
+        return f"Sequence({self.items!r})"
 
 
 def load_kvselect(native):
@@ -165,6 +204,17 @@ def break_call(rng, name, args, kwargs):
     """A broken variant of a call: (args, kwargs, kind)."""
     args, kwargs = copy.deepcopy(args), dict(kwargs)
     r = rng.random()
+    if r < 0.1 and args and isinstance(args[-1], dict):
+        # A nested dict or list as another mapping or sequence type.
+        places = [(at, c) for at, c in containers(args[-1]) if at]
+        if places:
+            at, c = places[rng.randrange(len(places))]
+            parent = args[-1]
+            for k in at[:-1]:
+                parent = parent[k]
+            kinds = [Mapping] if isinstance(c, dict) else [Sequence, tuple, collections.deque]
+            parent[at[-1]] = kinds[rng.randrange(len(kinds))](c)
+            return args, kwargs, f"rewrap {'.'.join(map(str, at))}"
     if r < 0.6 and args and isinstance(args[-1], dict) and args[-1]:
         places = list(containers(args[-1]))
         at, c = places[rng.randrange(len(places))]

@@ -183,15 +183,17 @@ fn unit_variant<T>(
         if d.len() != 1 {
             return Err(err("expected tagged enum dict to have exactly 1 key"));
         }
-        d.keys().get_item(0)?
+        let key = d.keys().get_item(0)?;
+        key.cast::<PyString>()
+            .map_err(|_| err("dict keys must have type str"))?
+            .to_str()?
+            .to_string()
     } else {
-        v.clone()
+        v.cast::<PyString>()
+            .map_err(|_| err("expected either a str or dict for enum"))?
+            .to_str()?
+            .to_string()
     };
-    let name = name
-        .cast::<PyString>()
-        .map_err(|_| err("expected either a str or dict for enum"))?
-        .to_str()?
-        .to_string();
     variant(&name).ok_or_else(|| err(format!("unknown variant `{name}`, expected {expected}")))
 }
 

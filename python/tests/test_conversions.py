@@ -186,6 +186,8 @@ async def test_worker_dict_conversions(impl):
             "call", "TypeError: must be real number, not str")
         assert await outcome(lambda: svc.upsert_worker({"worker_id": 9, "kv_transfer_enforcement": 5})) == (
             "call", "expected either a str or dict for enum")
+        assert await outcome(lambda: svc.upsert_worker({"worker_id": 9, "kv_transfer_enforcement": {1: 2}})) == (
+            "call", "dict keys must have type str")
         # A patch leaves worker_id, model_name and routing_group alone,
         # whatever they hold, and `taints: None` too.
         rec = await svc.patch_worker(0, {"worker_id": [1.5], "model_name": 5, "taints": None,
@@ -359,6 +361,10 @@ MAPPINGS_AND_SEQUENCES_REFUSED = [
     (sel(block_mm_infos=[{"mm_objects": [], True: 1}]), "invalid type: boolean `true`, expected field identifier"),
     (sel(block_mm_infos=[{"mm_objects": [], None: 1}]), "invalid type: unit value, expected field identifier"),
     (sel(block_mm_infos=[{"mm_objects": [], (1,): 1}]), "invalid type: sequence, expected field identifier"),
+    # an enum's one-key mapping needs a string key
+    (sel(session_context={"session_id": "s", "input_trigger": {1: 2}}), "dict keys must have type str"),
+    (sel(session_context={"session_id": "s", "input_trigger": Mapping({b"other": None})}),
+     "dict keys must have type str"),
 ]
 
 
