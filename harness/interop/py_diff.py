@@ -200,6 +200,15 @@ def containers(v, at=()):
             yield from containers(x, at + (k,))
 
 
+def plain(v):
+    """v with its mappings as dicts and its sequences as lists (what JSON takes)."""
+    if isinstance(v, (dict, Mapping)):
+        return {k: plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, Sequence, collections.deque)):
+        return [plain(x) for x in v]
+    return v
+
+
 def break_call(rng, name, args, kwargs):
     """A broken variant of a call: (args, kwargs, kind)."""
     args, kwargs = copy.deepcopy(args), dict(kwargs)
@@ -345,7 +354,7 @@ def main():
             elif (a[0] == b[0] == "ok" and name in ("select", "select_and_reserve")
                   and isinstance(na[1], dict) and isinstance(nb[1], dict)
                   and na[1].get("worker_id") != nb[1].get("worker_id")):
-                verdict = H.judge_split(kv, dy, "/" + name, req, (a[1], b[1]), corpus, apart)
+                verdict = H.judge_split(kv, dy, "/" + name, plain(req), (a[1], b[1]), corpus, apart)
                 if verdict == "tie":
                     ties += 1
                 elif verdict == H.SESSION_APART:

@@ -86,7 +86,25 @@ fn real(v: &Bound<'_, PyAny>) -> R<f64> {
 
 /// Is `v` a mapping: a dict, or any `collections.abc.Mapping`?
 fn is_mapping(v: &Bound<'_, PyAny>) -> bool {
-    v.is_instance_of::<PyDict>() || v.cast::<PyMapping>().is_ok()
+    v.is_instance_of::<PyDict>() || (!builtin(v) && v.cast::<PyMapping>().is_ok())
+}
+
+/// Is `v` of a built-in type that is neither a `collections.abc` mapping
+/// nor a sequence by registration alone (`None`, numbers, strings, bytes,
+/// lists, tuples, dicts, sets)? These are told apart by a type check; the
+/// ABCs' `isinstance` (hundreds of ns) is asked only about other types.
+fn builtin(v: &Bound<'_, PyAny>) -> bool {
+    v.is_none()
+        || v.is_instance_of::<PyInt>()
+        || v.is_instance_of::<PyFloat>()
+        || v.is_instance_of::<PyString>()
+        || v.is_instance_of::<PyBytes>()
+        || v.is_instance_of::<PyByteArray>()
+        || v.is_instance_of::<PyList>()
+        || v.is_instance_of::<PyTuple>()
+        || v.is_instance_of::<PyDict>()
+        || v.is_instance_of::<PySet>()
+        || v.is_instance_of::<PyFrozenSet>()
 }
 
 /// A mapping's entries as a dict: a dict itself, or another
@@ -96,6 +114,9 @@ fn is_mapping(v: &Bound<'_, PyAny>) -> bool {
 fn mapping<'py>(v: &Bound<'py, PyAny>) -> R<Option<Bound<'py, PyDict>>> {
     if let Ok(d) = v.cast::<PyDict>() {
         return Ok(Some(d.clone()));
+    }
+    if builtin(v) {
+        return Ok(None);
     }
     let Ok(m) = v.cast::<PyMapping>() else {
         return Ok(None);
@@ -291,10 +312,13 @@ fn serde_uint(v: &Bound<'_, PyAny>, max: u64, what: &str) -> R<u64> {
     if v.is_instance_of::<PyBool>() || !v.is_instance_of::<PyInt>() {
         return Err(serde_type(v, what));
     }
-    let word = serde_word(v)?;
     match v.extract::<u64>() {
         Ok(n) if n <= max => Ok(n),
-        _ => Err(err(format!("invalid value: {word}, expected {what}"))),
+        // The word only on the error path (it is a formatted string).
+        _ => {
+            let word = serde_word(v)?;
+            Err(err(format!("invalid value: {word}, expected {what}")))
+        }
     }
 }
 
@@ -304,10 +328,7 @@ fn serde_uint(v: &Bound<'_, PyAny>, max: u64, what: &str) -> R<u64> {
 fn is_sequence(v: &Bound<'_, PyAny>) -> bool {
     v.is_instance_of::<PyList>()
         || v.is_instance_of::<PyTuple>()
-        || (!v.is_instance_of::<PyString>()
-            && !v.is_instance_of::<PyBytes>()
-            && !v.is_instance_of::<PyByteArray>()
-            && v.cast::<PySequence>().is_ok())
+        || (!builtin(v) && v.cast::<PySequence>().is_ok())
 }
 
 /// A sequence's items, as serde reads them (`None` when `v` is none): a
@@ -596,9 +617,14 @@ fn hashes(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u64>> {
         let n = if item.is_instance_of::<PyBool>() || !item.is_instance_of::<PyInt>() {
             Err(serde_type(item, "i64"))
         } else {
-            let word = serde_word(item)?;
-            item.extract::<i64>()
-                .map_err(|_| err(format!("invalid value: {word}, expected i64")))
+            match item.extract::<i64>() {
+                Ok(n) => Ok(n),
+                Err(_) => {
+                    // Beyond 64 bits, serde's own error, with no index.
+                    let word = serde_word(item)?;
+                    Err(err(format!("invalid value: {word}, expected i64")))
+                }
+            }
         };
         out.push(n.map_err(|e| indexed(e, name, i))? as u64);
     }
@@ -678,6 +704,28 @@ type Rest<'py> = Vec<(Bound<'py, PyString>, Bound<'py, PyAny>)>;
 /// expected: every int within i64 or u64, every object of a type it has a
 /// word for (`serde_word`), throughout lists, tuples and dicts.
 fn buffered(v: &Bound<'_, PyAny>) -> R<()> {
+    // Built-in containers and scalars first, without copies or words.
+    if let Ok(l) = v.cast::<PyList>() {
+        return l.iter().try_for_each(|x| buffered(&x));
+    }
+    if let Ok(t) = v.cast::<PyTuple>() {
+        return t.iter().try_for_each(|x| buffered(&x));
+    }
+    if let Ok(d) = v.cast::<PyDict>() {
+        return d.iter().try_for_each(|(k, x)| {
+            buffered(&k)?;
+            buffered(&x)
+        });
+    }
+    if v.is_none()
+        || v.is_instance_of::<PyFloat>()
+        || v.is_instance_of::<PyString>()
+        || v.is_instance_of::<PyBytes>()
+        || (v.is_instance_of::<PyInt>()
+            && (v.extract::<i64>().is_ok() || v.extract::<u64>().is_ok()))
+    {
+        return Ok(());
+    }
     if let Some(items) = sequence_items(v)? {
         return items.iter().try_for_each(buffered);
     }
