@@ -93,7 +93,8 @@ pub struct Cli {
     #[arg(long)]
     pub cores: Option<String>,
     /// Threads polling the ZeroMQ KV-event subscriptions.
-    /// `--threads` as in the reference (its KV indexer threads, default 4);
+    /// `--threads` as in the reference (its KV indexer threads, default 4;
+    /// 0 is one, as the reference still indexes with it);
     /// `--ingest-threads` is kvselect's earlier name for it.
     #[arg(long = "threads", visible_alias = "ingest-threads", default_value_t = DEFAULT_INGEST_THREADS)]
     pub ingest_threads: usize,
@@ -540,9 +541,6 @@ impl Config {
         if threads == 0 {
             return Err("--http-threads must be at least 1".into());
         }
-        if cli.ingest_threads == 0 {
-            return Err("--threads must be at least 1".into());
-        }
         if cli.body_limit_bytes == 0 {
             return Err("--body-limit-bytes must be at least 1".into());
         }
@@ -656,7 +654,8 @@ impl Config {
             addr: SocketAddr::new(cli.host, cli.port),
             threads,
             cores,
-            ingest_threads: cli.ingest_threads,
+            // The reference starts and indexes with `--threads 0`: one thread.
+            ingest_threads: cli.ingest_threads.max(1),
             indexer_peers: cli.indexer_peers,
             selection_cache_ttl: secs("selection-cache-ttl-secs", cli.selection_cache_ttl_secs)?,
             selection_cache_max_entries: cli.selection_cache_max_entries,
@@ -850,8 +849,8 @@ mod tests {
         assert_eq!((c.ingest_threads, c.threads), (3, 5));
         let c = Config::from_cli_with_env(cli(&["--ingest-threads", "6"]), |_| None).unwrap();
         assert_eq!(c.ingest_threads, 6);
-        let e = Config::from_cli_with_env(cli(&["--threads", "0"]), |_| None).unwrap_err();
-        assert_eq!(e, "--threads must be at least 1");
+        let c = Config::from_cli_with_env(cli(&["--threads", "0"]), |_| None).unwrap();
+        assert_eq!(c.ingest_threads, 1);
         let e = Config::from_cli_with_env(cli(&["--http-threads", "0"]), |_| None).unwrap_err();
         assert_eq!(e, "--http-threads must be at least 1");
     }

@@ -210,9 +210,6 @@ impl SelectionService {
                 "replica_sync_peers requires replica_sync_port",
             ));
         }
-        if indexer_threads == 0 {
-            return Err(PyValueError::new_err("indexer_threads must be at least 1"));
-        }
         let router = RouterConfig::from_env_with(|k| std::env::var(k).ok())
             .map_err(PyValueError::new_err)?;
         let replica_sync_peers = replica_sync_peers.unwrap_or_default();
@@ -236,7 +233,8 @@ impl SelectionService {
             // The mesh's PUB binds on the address's IP; there is no HTTP
             // listener in the embedded form.
             addr: std::net::SocketAddr::new(host, 0),
-            ingest_threads: indexer_threads,
+            // 0 is one thread: the reference still indexes with it.
+            ingest_threads: indexer_threads.max(1),
             indexer_peers: indexer_peers.unwrap_or_default(),
             router,
             replica_sync_port,

@@ -123,6 +123,20 @@ async def test_zmq_block_stored_gives_exact_overlap(impl):
         pub.close()
 
 
+@async_test
+async def test_zero_indexer_threads_still_index(impl):
+    # The reference takes indexer_threads=0 and indexes; kvselect runs one thread.
+    pub = Publisher()
+    try:
+        async with service(impl, indexer_threads=0) as svc:
+            await svc.upsert_worker(worker(7, endpoint=pub.endpoint))
+            stored = ["BlockStored", ENGINE_HASHES, None, PROMPT[: STORED * BS], BS, None, "GPU", None, None]
+            o = await publish_until(svc, pub, 0, [stored], lambda o: device_blocks(o, 7))
+            assert device_blocks(o, 7) == STORED
+    finally:
+        pub.close()
+
+
 async def _overlap_is(svc, worker_id, n):
     o = await svc.overlap_scores({"token_ids": PROMPT})
     return o if device_blocks(o, worker_id) == n else None
