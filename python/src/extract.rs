@@ -52,7 +52,7 @@ fn err(msg: impl Into<String>) -> PyErr {
     PyValueError::new_err(msg.into())
 }
 
-fn type_name(v: &Bound<'_, PyAny>) -> String {
+pub(crate) fn type_name(v: &Bound<'_, PyAny>) -> String {
     v.get_type()
         .name()
         .map(|n| n.to_string())
@@ -220,29 +220,63 @@ fn unit_variant<T>(
 
 // ----- plain arguments -----
 
-/// A `selection_id` argument, with the `TypeError` Dynamo's binding raises.
-pub fn selection_id_arg(v: &Bound<'_, PyAny>) -> R<String> {
-    match v.cast::<PyString>() {
-        Ok(s) => Ok(s.to_str()?.to_string()),
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "argument 'selection_id': '{}' object cannot be converted to 'PyString'",
-            type_name(v)
-        ))),
-    }
-}
-
-/// A `worker_id` argument: an integer by `__index__`; a `TypeError` names
-/// the argument, as Dynamo's binding does.
-pub fn worker_id_arg(v: &Bound<'_, PyAny>) -> R<u64> {
-    v.extract::<u64>().map_err(|e| {
+/// `r` with a `TypeError` that names argument `name`, in the words of
+/// Dynamo's binding (an older pyo3): `argument 'name': ...`. Other errors
+/// (`OverflowError`, `ValueError`) are left as they are, as there.
+pub fn named<T>(name: &str, r: R<T>) -> R<T> {
+    r.map_err(|e| {
         Python::attach(|py| {
             if e.is_instance_of::<PyTypeError>(py) {
-                PyTypeError::new_err(format!("argument 'worker_id': {}", e.value(py)))
+                PyTypeError::new_err(format!("argument '{name}': {}", e.value(py)))
             } else {
                 e
             }
         })
     })
+}
+
+/// A string argument `name`.
+pub fn str_arg<'a>(v: &'a Bound<'_, PyAny>, name: &str) -> R<&'a str> {
+    match v.cast::<PyString>() {
+        Ok(s) => s.to_str(),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "argument '{name}': '{}' object cannot be converted to 'PyString'",
+            type_name(v)
+        ))),
+    }
+}
+
+/// An argument `name` that is a sequence of strings (a `str` is refused,
+/// not read as its characters).
+pub fn strings_arg(v: &Bound<'_, PyAny>, name: &str) -> R<Vec<String>> {
+    if v.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(format!(
+            "argument '{name}': Can't extract `str` to `Vec`"
+        )));
+    }
+    let seq = v.cast::<PySequence>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "argument '{name}': '{}' object cannot be converted to 'Sequence'",
+            type_name(v)
+        ))
+    })?;
+    let mut out = Vec::new();
+    for x in seq.try_iter()? {
+        let x = x?;
+        out.push(str_arg(&x, name)?.to_string());
+    }
+    Ok(out)
+}
+
+/// A `selection_id` argument, with the `TypeError` Dynamo's binding raises.
+pub fn selection_id_arg(v: &Bound<'_, PyAny>) -> R<String> {
+    str_arg(v, "selection_id").map(str::to_string)
+}
+
+/// A `worker_id` argument: an integer by `__index__`; a `TypeError` names
+/// the argument, as Dynamo's binding does.
+pub fn worker_id_arg(v: &Bound<'_, PyAny>) -> R<u64> {
+    named("worker_id", v.extract::<u64>())
 }
 
 // ----- serde's reading (the prompt) -----

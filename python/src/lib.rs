@@ -51,14 +51,105 @@ pub struct SelectionCacheConfig {
     max_bytes: Option<usize>,
 }
 
+/// The keyword arguments' conversions: each as pyo3 converts it, with a
+/// `TypeError` that names the argument as Dynamo's binding (an older pyo3)
+/// words it (this pyo3 adds the name only as a note). `None` is absent for
+/// the optional ones.
+mod args {
+    use super::{extract, SelectionCacheConfig};
+    use pyo3::exceptions::PyTypeError;
+    use pyo3::prelude::*;
+
+    macro_rules! converted {
+        ($($name:ident: $t:ty),* $(,)?) => {$(
+            pub fn $name(v: &Bound<'_, PyAny>) -> PyResult<$t> {
+                extract::named(stringify!($name), v.extract())
+            }
+        )*};
+    }
+    macro_rules! optional {
+        ($($name:ident: $t:ty),* $(,)?) => {$(
+            pub fn $name(v: &Bound<'_, PyAny>) -> PyResult<Option<$t>> {
+                if v.is_none() {
+                    return Ok(None);
+                }
+                extract::named(stringify!($name), v.extract()).map(Some)
+            }
+        )*};
+    }
+    macro_rules! optional_strs {
+        ($($name:ident),* $(,)?) => {$(
+            pub fn $name<'a>(v: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a str>> {
+                if v.is_none() {
+                    return Ok(None);
+                }
+                extract::str_arg(v, stringify!($name)).map(Some)
+            }
+        )*};
+    }
+    macro_rules! optional_lists {
+        ($($name:ident),* $(,)?) => {$(
+            pub fn $name(v: &Bound<'_, PyAny>) -> PyResult<Option<Vec<String>>> {
+                if v.is_none() {
+                    return Ok(None);
+                }
+                extract::strings_arg(v, stringify!($name)).map(Some)
+            }
+        )*};
+    }
+
+    converted!(
+        indexer_threads: usize,
+        allow_ipc_endpoints: bool,
+        max_index_lag_ms: u64,
+        index_lag_max_wait_ms: u64,
+    );
+    optional!(
+        ttl_secs: f64,
+        max_entries: usize,
+        max_bytes: usize,
+        replica_sync_port: u16,
+        session_affinity_ttl_secs: f64,
+        booking_expiry_secs: f64,
+        max_tokens: usize,
+    );
+    optional_strs!(model_name, routing_group);
+    optional_lists!(indexer_peers, replica_sync_peers);
+
+    pub fn replica_sync_host<'a>(v: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
+        extract::str_arg(v, "replica_sync_host")
+    }
+
+    pub fn simd(v: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+        if v.is_none() {
+            return Ok(None);
+        }
+        extract::str_arg(v, "simd").map(|s| Some(s.to_string()))
+    }
+
+    pub fn selection_cache<'py>(
+        v: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, SelectionCacheConfig>>> {
+        if v.is_none() {
+            return Ok(None);
+        }
+        v.cast::<SelectionCacheConfig>().cloned().map(Some).map_err(|_| {
+            PyTypeError::new_err(format!(
+                "argument 'selection_cache': '{}' object cannot be converted to 'SelectionCacheConfig'",
+                extract::type_name(v)
+            ))
+        })
+    }
+}
+
 #[pymethods]
 impl SelectionCacheConfig {
     #[new]
     #[pyo3(signature = (*, ttl_secs=None, max_entries=None, max_bytes=None))]
     fn new(
-        ttl_secs: Option<f64>,
-        max_entries: Option<usize>,
-        max_bytes: Option<usize>,
+        #[pyo3(from_py_with = args::ttl_secs)] ttl_secs: Option<f64>,
+        #[pyo3(from_py_with = args::max_entries)] max_entries: Option<usize>,
+        #[pyo3(from_py_with = args::max_bytes)] max_bytes: Option<usize>,
     ) -> PyResult<Self> {
         if let Some(t) = ttl_secs {
             if !t.is_finite() || t < 0.0 {
@@ -179,19 +270,23 @@ impl SelectionService {
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        indexer_threads: usize,
-        indexer_peers: Option<Vec<String>>,
-        replica_sync_port: Option<u16>,
-        replica_sync_peers: Option<Vec<String>>,
-        selection_cache: Option<Bound<'_, SelectionCacheConfig>>,
-        session_affinity_ttl_secs: Option<f64>,
-        booking_expiry_secs: Option<f64>,
-        max_tokens: Option<usize>,
-        replica_sync_host: &str,
-        allow_ipc_endpoints: bool,
-        simd: Option<String>,
-        max_index_lag_ms: u64,
-        index_lag_max_wait_ms: u64,
+        #[pyo3(from_py_with = args::indexer_threads)] indexer_threads: usize,
+        #[pyo3(from_py_with = args::indexer_peers)] indexer_peers: Option<Vec<String>>,
+        #[pyo3(from_py_with = args::replica_sync_port)] replica_sync_port: Option<u16>,
+        #[pyo3(from_py_with = args::replica_sync_peers)] replica_sync_peers: Option<Vec<String>>,
+        #[pyo3(from_py_with = args::selection_cache)] selection_cache: Option<
+            Bound<'_, SelectionCacheConfig>,
+        >,
+        #[pyo3(from_py_with = args::session_affinity_ttl_secs)] session_affinity_ttl_secs: Option<
+            f64,
+        >,
+        #[pyo3(from_py_with = args::booking_expiry_secs)] booking_expiry_secs: Option<f64>,
+        #[pyo3(from_py_with = args::max_tokens)] max_tokens: Option<usize>,
+        #[pyo3(from_py_with = args::replica_sync_host)] replica_sync_host: &str,
+        #[pyo3(from_py_with = args::allow_ipc_endpoints)] allow_ipc_endpoints: bool,
+        #[pyo3(from_py_with = args::simd)] simd: Option<String>,
+        #[pyo3(from_py_with = args::max_index_lag_ms)] max_index_lag_ms: u64,
+        #[pyo3(from_py_with = args::index_lag_max_wait_ms)] index_lag_max_wait_ms: u64,
     ) -> PyResult<Self> {
         if index_lag_max_wait_ms == 0 {
             return Err(PyValueError::new_err(
@@ -352,8 +447,8 @@ impl SelectionService {
     fn list_workers<'py>(
         &self,
         py: Python<'py>,
-        model_name: Option<&str>,
-        routing_group: Option<&str>,
+        #[pyo3(from_py_with = args::model_name)] model_name: Option<&str>,
+        #[pyo3(from_py_with = args::routing_group)] routing_group: Option<&str>,
     ) -> PyResult<Bound<'py, PyAny>> {
         to_object(py, &self.app.list_workers(model_name, routing_group))
     }
@@ -455,8 +550,8 @@ impl SelectionService {
     fn loads<'py>(
         &self,
         py: Python<'py>,
-        model_name: Option<&str>,
-        routing_group: Option<&str>,
+        #[pyo3(from_py_with = args::model_name)] model_name: Option<&str>,
+        #[pyo3(from_py_with = args::routing_group)] routing_group: Option<&str>,
     ) -> PyResult<Bound<'py, PyAny>> {
         to_object(py, &self.app.loads(model_name, routing_group))
     }

@@ -50,6 +50,53 @@ def test_constructor_is_keyword_only(impl):
         impl.SelectionService(indexer_threads="4")
 
 
+ARGUMENT_TYPE_ERRORS = [
+    ("SelectionService", dict(indexer_threads=1.5),
+     "argument 'indexer_threads': 'float' object cannot be interpreted as an integer"),
+    ("SelectionService", dict(indexer_threads=None),
+     "argument 'indexer_threads': 'NoneType' object cannot be interpreted as an integer"),
+    ("SelectionService", dict(replica_sync_port="x"),
+     "argument 'replica_sync_port': 'str' object cannot be interpreted as an integer"),
+    ("SelectionService", dict(session_affinity_ttl_secs="5"),
+     "argument 'session_affinity_ttl_secs': must be real number, not str"),
+    ("SelectionService", dict(replica_sync_peers="tcp://a:1"),
+     "argument 'replica_sync_peers': Can't extract `str` to `Vec`"),
+    ("SelectionService", dict(indexer_peers=5), "argument 'indexer_peers': 'int' object cannot be converted to 'Sequence'"),
+    ("SelectionService", dict(indexer_peers=[5]),
+     "argument 'indexer_peers': 'int' object cannot be converted to 'PyString'"),
+    ("SelectionService", dict(selection_cache={"ttl_secs": 1}),
+     "argument 'selection_cache': 'dict' object cannot be converted to 'SelectionCacheConfig'"),
+    ("SelectionCacheConfig", dict(ttl_secs="x"), "argument 'ttl_secs': must be real number, not str"),
+    ("SelectionCacheConfig", dict(max_bytes=1.5),
+     "argument 'max_bytes': 'float' object cannot be interpreted as an integer"),
+]
+
+
+@pytest.mark.parametrize("cls,kwargs,text", ARGUMENT_TYPE_ERRORS, ids=range(len(ARGUMENT_TYPE_ERRORS)))
+def test_argument_type_errors_name_the_argument(impl, cls, kwargs, text):
+    with pytest.raises(TypeError) as ei:
+        getattr(impl, cls)(**kwargs)
+    assert str(ei.value) == text
+    # Overflow is Python's error, unnamed, in both.
+    with pytest.raises(OverflowError) as ei:
+        impl.SelectionService(replica_sync_port=70000)
+    assert str(ei.value) == "out of range integral type conversion attempted"
+
+
+def test_report_filters_name_the_argument(impl):
+    svc = impl.SelectionService(indexer_threads=1)
+    try:
+        for method in (svc.list_workers, svc.loads):
+            with pytest.raises(TypeError) as ei:
+                method(model_name=5)
+            assert str(ei.value) == "argument 'model_name': 'int' object cannot be converted to 'PyString'"
+            with pytest.raises(TypeError) as ei:
+                method(routing_group=[1])
+            assert str(ei.value) == "argument 'routing_group': 'list' object cannot be converted to 'PyString'"
+    finally:
+        svc.shutdown()
+
+
 def test_constructor_validation(impl):
     raises_sync(ValueError, lambda: impl.SelectionService(session_affinity_ttl_secs=0.5),
                 "session_affinity_ttl_secs must be between 1 and 31536000")
