@@ -293,7 +293,8 @@ def main():
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--native", default=os.path.join(ROOT, "target/release/deps/lib_native.so"))
-    ap.add_argument("--ctor", default="{}", help="constructor keywords for both, as JSON")
+    ap.add_argument("--ctor", default="{}", help="constructor keywords for both, as JSON "
+                    "(`selection_cache` as the keywords of its SelectionCacheConfig)")
     ap.add_argument("--max-mismatches", type=int, default=40, help="stop after this many")
     ap.add_argument("--trace", action="store_true", help="print every call and both outcomes")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
@@ -311,8 +312,16 @@ def main():
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     ctor = json.loads(args.ctor)
-    kv = Service("kvselect", kvselect.SelectionService(**ctor), loop)
-    dy = Service("dynamo", reference.SelectionService(**ctor), loop)
+
+    def made_with(mod):
+        # `selection_cache` is given as the keywords of its SelectionCacheConfig.
+        kw = dict(ctor)
+        if isinstance(kw.get("selection_cache"), dict):
+            kw["selection_cache"] = mod.SelectionCacheConfig(**kw["selection_cache"])
+        return mod.SelectionService(**kw)
+
+    kv = Service("kvselect", made_with(kvselect), loop)
+    dy = Service("dynamo", made_with(reference), loop)
     mismatches, listed, ties, made = [], {}, 0, 0
     apart = set()
     try:
