@@ -296,6 +296,15 @@ fn errors_come_in_the_reference_reading_order() {
             r#"{"routing_constraints":{"required_taints":[1,x]}}"#,
             "routing_constraints.required_taints[0]: invalid type: integer `1`, expected a string at line 1 column 44",
         ),
+        // Not nullable, as in the reference; the prompt's error waits (flatten).
+        (
+            r#"{"model_name":"m","token_ids":[1,2],"routing_constraints" : null }"#,
+            "routing_constraints: invalid type: null, expected struct RoutingConstraints at line 1 column 64",
+        ),
+        (
+            r#"{"token_ids":"x","routing_constraints":null}"#,
+            "routing_constraints: invalid type: null, expected struct RoutingConstraints at line 1 column 43",
+        ),
         (
             r#"{"allowed_worker_ids":[-1,2,3] ,"#,
             "allowed_worker_ids[0]: invalid value: integer `-1`, expected u64 at line 1 column 25",

@@ -47,7 +47,8 @@ BS = 16
 # the CPU. Workers 1 and 2 name A's blocks with the same engine hashes, as
 # engines with one hash seed do: under different ones the reference reports
 # one worker's overlap from the other's blocks (README, "Switching from
-# Dynamo").
+# Dynamo"). Workers 1 and 2 speak vLLM's wire, worker 3 SGLang's (signed
+# hashes, no medium for the GPU, `CPU_PINNED`, no rank in the batch).
 PROMPT_A = [(i * 7919) % 50000 + 1 for i in range(200)]
 PROMPT_B = [(i * 104729) % 60000 + 3 for i in range(200)]
 
@@ -508,18 +509,28 @@ def stored(hashes, parent, tokens, medium="GPU"):
             "token_ids": tokens, "block_size": BS, "lora_id": None, "medium": medium}
 
 
+def sglang_stored(hashes, parent, tokens, medium=None):
+    """SGLang's BlockStored: signed i64 hashes, `medium` only off the GPU."""
+    e = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+         "token_ids": tokens, "block_size": BS, "lora_id": None}
+    if medium is not None:
+        e["medium"] = medium
+    return e
+
+
 def publish(pubs, seq):
     """The three engines' caches (module docs), one batch each (storing
     the same blocks again changes nothing)."""
     batches = {
         1: [stored(list(range(100, 108)), None, PROMPT_A[:8 * BS])],
         2: [stored(list(range(100, 104)), None, PROMPT_A[:4 * BS])],
-        3: [stored(list(range(300, 302)), None, PROMPT_B[:2 * BS]),
-            stored(list(range(300, 306)), None, PROMPT_B[:6 * BS], "CPU")],
+        3: [sglang_stored([-(2**62) - i for i in range(2)], None, PROMPT_B[:2 * BS]),
+            sglang_stored([-(2**62) - i for i in range(6)], None, PROMPT_B[:6 * BS], "CPU_PINNED")],
     }
     for w, events in batches.items():
+        rank = None if w == 3 else 0
         pubs[w].send_multipart([b"", seq.to_bytes(8, "big"),
-                                msgpack.packb([time.time(), events, 0])])
+                                msgpack.packb([time.time(), events, rank])])
 
 
 # (device, host_pinned) blocks of workers 1 and 2 on A, and 3 on B.

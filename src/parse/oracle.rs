@@ -158,6 +158,14 @@ fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::
     String::deserialize(d).map(Some)
 }
 
+/// `routing_constraints`: optional, but not null (the reference declares it
+/// with a default, not as an `Option`).
+fn present_constraints<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<RefConstraints>, D::Error> {
+    RefConstraints::deserialize(d).map(Some)
+}
+
 /// The /select body as one flat serde struct: the oracle, and the "serde_json
 /// typed" peer in the parse bench.
 #[derive(Deserialize, Debug)]
@@ -177,6 +185,7 @@ pub struct RefSelect {
     pinned_worker: Option<RefPinned>,
     affinity_target: Option<RefAffinity>,
     allowed_worker_ids: Option<Vec<u64>>,
+    #[serde(default, deserialize_with = "present_constraints")]
     routing_constraints: Option<RefConstraints>,
     advisory: Option<bool>,
     token_ids: Option<Vec<u32>>,
@@ -233,6 +242,7 @@ pub struct RefSelectFlatten {
     pinned_worker: Option<RefPinned>,
     affinity_target: Option<RefAffinity>,
     allowed_worker_ids: Option<Vec<u64>>,
+    #[serde(default, deserialize_with = "present_constraints")]
     routing_constraints: Option<RefConstraints>,
     advisory: Option<bool>,
     #[serde(flatten)]

@@ -525,13 +525,13 @@ pub(super) fn worker_rank(
     }
 }
 
-/// `routing_constraints`: both fields default, so `[]` is all defaults.
+/// `routing_constraints`: both fields default, so `[]` is all defaults. Not
+/// nullable: the reference declares the field with a default, not as an
+/// `Option`, so `null` is `invalid type: null, expected struct
+/// RoutingConstraints`.
 pub(super) fn routing_constraints<'a>(
     cur: &mut Cur<'a>,
 ) -> PResult<Option<RoutingConstraints<'a>>> {
-    if cur.null()? {
-        return Ok(None);
-    }
     let mut rc = RoutingConstraints::default();
     fn preferred<'a>(cur: &mut Cur<'a>, out: &mut Vec<(Str<'a>, f32)>) -> PResult<()> {
         cur.object_start("a map")?;
