@@ -113,18 +113,11 @@ mod args {
         booking_expiry_secs: f64,
         max_tokens: usize,
     );
-    optional_strs!(model_name, routing_group);
+    optional_strs!(model_name, routing_group, simd);
     optional_lists!(indexer_peers, replica_sync_peers);
 
     pub fn replica_sync_host<'a>(v: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
         extract::str_arg(v, "replica_sync_host")
-    }
-
-    pub fn simd(v: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
-        if v.is_none() {
-            return Ok(None);
-        }
-        extract::str_arg(v, "simd").map(|s| Some(s.to_string()))
     }
 
     pub fn selection_cache<'py>(
@@ -284,7 +277,7 @@ impl SelectionService {
         #[pyo3(from_py_with = args::max_tokens)] max_tokens: Option<usize>,
         #[pyo3(from_py_with = args::replica_sync_host)] replica_sync_host: &str,
         #[pyo3(from_py_with = args::allow_ipc_endpoints)] allow_ipc_endpoints: bool,
-        #[pyo3(from_py_with = args::simd)] simd: Option<String>,
+        #[pyo3(from_py_with = args::simd)] simd: Option<&str>,
         #[pyo3(from_py_with = args::max_index_lag_ms)] max_index_lag_ms: u64,
         #[pyo3(from_py_with = args::index_lag_max_wait_ms)] index_lag_max_wait_ms: u64,
     ) -> PyResult<Self> {
@@ -320,6 +313,7 @@ impl SelectionService {
         // The token loop: the keyword, else KVSELECT_SIMD, else the best
         // this CPU has (as the server's --simd).
         let simd = simd
+            .map(str::to_string)
             .or_else(|| std::env::var("KVSELECT_SIMD").ok())
             .unwrap_or_else(|| "auto".to_string());
         let number_path = kvselect::parse::NumberPath::choose_here(&simd)
