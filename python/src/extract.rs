@@ -170,7 +170,10 @@ fn str_value(v: &Bound<'_, PyAny>) -> R<Str<'static>> {
 }
 
 /// `None` as absent, anything else converted.
-fn some<T>(v: &Bound<'_, PyAny>, f: impl FnOnce(&Bound<'_, PyAny>) -> R<T>) -> R<Option<T>> {
+pub(crate) fn some<T>(
+    v: &Bound<'_, PyAny>,
+    f: impl FnOnce(&Bound<'_, PyAny>) -> R<T>,
+) -> R<Option<T>> {
     if v.is_none() {
         Ok(None)
     } else {

@@ -67,35 +67,19 @@ mod args {
             }
         )*};
     }
+    /// `name: T` converts as pyo3 does; `name: T = conv` with `conv(v, name)`.
     macro_rules! optional {
-        ($($name:ident: $t:ty),* $(,)?) => {$(
+        ($($name:ident: $t:ty $(= $conv:path)?),* $(,)?) => {$(
             pub fn $name(v: &Bound<'_, PyAny>) -> PyResult<Option<$t>> {
-                if v.is_none() {
-                    return Ok(None);
-                }
-                extract::named(stringify!($name), v.extract()).map(Some)
+                extract::some(v, |v| optional!(@conv v, stringify!($name) $(, $conv)?))
             }
         )*};
+        (@conv $v:ident, $n:expr) => { extract::named($n, $v.extract()) };
+        (@conv $v:ident, $n:expr, $conv:path) => { $conv($v, $n) };
     }
-    macro_rules! optional_strs {
-        ($($name:ident),* $(,)?) => {$(
-            pub fn $name<'a>(v: &'a Bound<'_, PyAny>) -> PyResult<Option<&'a str>> {
-                if v.is_none() {
-                    return Ok(None);
-                }
-                extract::str_arg(v, stringify!($name)).map(Some)
-            }
-        )*};
-    }
-    macro_rules! optional_lists {
-        ($($name:ident),* $(,)?) => {$(
-            pub fn $name(v: &Bound<'_, PyAny>) -> PyResult<Option<Vec<String>>> {
-                if v.is_none() {
-                    return Ok(None);
-                }
-                extract::strings_arg(v, stringify!($name)).map(Some)
-            }
-        )*};
+
+    fn text(v: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
+        extract::str_arg(v, name).map(str::to_string)
     }
 
     converted!(
@@ -112,9 +96,12 @@ mod args {
         session_affinity_ttl_secs: f64,
         booking_expiry_secs: f64,
         max_tokens: usize,
+        model_name: String = text,
+        routing_group: String = text,
+        simd: String = text,
+        indexer_peers: Vec<String> = extract::strings_arg,
+        replica_sync_peers: Vec<String> = extract::strings_arg,
     );
-    optional_strs!(model_name, routing_group, simd);
-    optional_lists!(indexer_peers, replica_sync_peers);
 
     pub fn replica_sync_host<'a>(v: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
         extract::str_arg(v, "replica_sync_host")
@@ -277,7 +264,7 @@ impl SelectionService {
         #[pyo3(from_py_with = args::max_tokens)] max_tokens: Option<usize>,
         #[pyo3(from_py_with = args::replica_sync_host)] replica_sync_host: &str,
         #[pyo3(from_py_with = args::allow_ipc_endpoints)] allow_ipc_endpoints: bool,
-        #[pyo3(from_py_with = args::simd)] simd: Option<&str>,
+        #[pyo3(from_py_with = args::simd)] simd: Option<String>,
         #[pyo3(from_py_with = args::max_index_lag_ms)] max_index_lag_ms: u64,
         #[pyo3(from_py_with = args::index_lag_max_wait_ms)] index_lag_max_wait_ms: u64,
     ) -> PyResult<Self> {
@@ -313,7 +300,6 @@ impl SelectionService {
         // The token loop: the keyword, else KVSELECT_SIMD, else the best
         // this CPU has (as the server's --simd).
         let simd = simd
-            .map(str::to_string)
             .or_else(|| std::env::var("KVSELECT_SIMD").ok())
             .unwrap_or_else(|| "auto".to_string());
         let number_path = kvselect::parse::NumberPath::choose_here(&simd)
@@ -441,10 +427,15 @@ impl SelectionService {
     fn list_workers<'py>(
         &self,
         py: Python<'py>,
-        #[pyo3(from_py_with = args::model_name)] model_name: Option<&str>,
-        #[pyo3(from_py_with = args::routing_group)] routing_group: Option<&str>,
+        #[pyo3(from_py_with = args::model_name)] model_name: Option<String>,
+        #[pyo3(from_py_with = args::routing_group)] routing_group: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        to_object(py, &self.app.list_workers(model_name, routing_group))
+        to_object(
+            py,
+            &self
+                .app
+                .list_workers(model_name.as_deref(), routing_group.as_deref()),
+        )
     }
 
     fn ready<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -544,10 +535,15 @@ impl SelectionService {
     fn loads<'py>(
         &self,
         py: Python<'py>,
-        #[pyo3(from_py_with = args::model_name)] model_name: Option<&str>,
-        #[pyo3(from_py_with = args::routing_group)] routing_group: Option<&str>,
+        #[pyo3(from_py_with = args::model_name)] model_name: Option<String>,
+        #[pyo3(from_py_with = args::routing_group)] routing_group: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        to_object(py, &self.app.loads(model_name, routing_group))
+        to_object(
+            py,
+            &self
+                .app
+                .loads(model_name.as_deref(), routing_group.as_deref()),
+        )
     }
 
     /// The index in the /dump recovery format, as a JSON string.
