@@ -181,15 +181,20 @@ pub(crate) fn some<T>(
     }
 }
 
-/// Items of any sequence (a `str` is one: its characters).
+/// Items of any sequence (a `str` is one: its characters), by `len()` and
+/// index as the reference reads them: an object that is both a mapping and
+/// a registered `Sequence` gives its items, not its keys.
 fn sequence<'py>(v: &Bound<'py, PyAny>) -> R<Vec<Bound<'py, PyAny>>> {
+    if let Ok(l) = v.cast::<PyList>() {
+        return Ok(l.iter().collect());
+    }
     let s = v.cast::<PySequence>().map_err(|_| {
         err(format!(
             "unexpected type: '{}' object cannot be converted to 'Sequence'",
             type_name(v)
         ))
     })?;
-    s.try_iter()?.collect()
+    (0..s.len()?).map(|i| s.get_item(i)).collect()
 }
 
 fn required<T>(v: Option<T>, name: &str) -> R<T> {
@@ -531,9 +536,10 @@ fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
         }
         return Ok(out);
     }
-    // Types serde reads as something else than a sequence.
+    // Types serde reads as something else than a sequence (a mapping that
+    // is also a `Sequence` reads as one).
     if v.is_instance_of::<PyString>()
-        || is_mapping(v)
+        || (is_mapping(v) && !is_sequence(v))
         || v.is_instance_of::<PyInt>()
         || v.is_instance_of::<PyFloat>()
     {
@@ -572,16 +578,14 @@ fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
         return Ok(out);
     }
     // Any other iterable of ints (numpy arrays of other dtypes, ranges).
-    let iter = v.try_iter().map_err(|_| serde_type(v, "a sequence"))?;
-    for (i, item) in iter.enumerate() {
-        let item = item?;
+    let mut push = |i: usize, item: &Bound<'_, PyAny>| -> R<()> {
         if out.len() == parser.limits.max_tokens {
             return Err(too_many(out.len() + 1));
         }
         let n: i128 = item.extract().map_err(|_| {
             err(format!(
                 "{name}[{i}]: invalid type: '{}' object, expected u32",
-                type_name(&item)
+                type_name(item)
             ))
         })?;
         out.push(u32::try_from(n).map_err(|_| {
@@ -589,6 +593,19 @@ fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
                 "{name}[{i}]: invalid value: integer `{n}`, expected u32"
             ))
         })?);
+        Ok(())
+    };
+    if is_mapping(v) {
+        // Also a `Sequence` (checked above): its items by index, not its keys.
+        let s = v.cast::<PySequence>()?;
+        for i in 0..s.len().map_err(wrapped)? {
+            push(i, &s.get_item(i).map_err(wrapped)?)?;
+        }
+    } else {
+        let iter = v.try_iter().map_err(|_| serde_type(v, "a sequence"))?;
+        for (i, item) in iter.enumerate() {
+            push(i, &item?)?;
+        }
     }
     Ok(out)
 }

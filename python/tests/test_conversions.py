@@ -289,6 +289,22 @@ class Sequence(collections.abc.Sequence):
         return len(self.items)
 
 
+class MappingSequence(Mapping):
+    """A mapping that is also a registered Sequence: read as a mapping where
+    a struct is expected and by index (its items, not its keys) where a
+    sequence is."""
+
+    def __init__(self, d, items):
+        super().__init__(d)
+        self.items = items
+
+    def __getitem__(self, k):
+        return self.items[k] if isinstance(k, int) else self.d[k]
+
+
+collections.abc.Sequence.register(MappingSequence)
+
+
 class BadItem(Sequence):
     def __getitem__(self, i):
         raise KeyError("nope")
@@ -321,6 +337,12 @@ MAPPINGS_AND_SEQUENCES_ACCEPTED = [
     # keys of a struct's mapping: another name or an index past the fields is skipped
     sel(block_mm_infos=[{"mm_objects": [], 5: 1, b"x": 2}]),
     sel(block_mm_infos=[{b"mm_objects": []}]),
+    # a mapping that is also a Sequence: a sequence's items by index
+    sel(token_ids=MappingSequence({"a": 1}, TOKENS)),
+    sel(allowed_worker_ids=MappingSequence({"a": 1}, [1])),
+    sel(routing_constraints={"required_taints": MappingSequence({1: 2}, ["t"])}),
+    sel(pinned_worker=MappingSequence({"worker_id": 1, "dp_rank": 0}, [2, 3])),
+    {"block_hashes": MappingSequence({"a": 1}, [1]), "sequence_hashes": [2], "isl_tokens": 3},
 ]
 
 
