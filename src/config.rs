@@ -193,10 +193,10 @@ pub struct Cli {
     /// Log line format (filter with RUST_LOG, default `info`).
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
-    /// Token-array loop: auto (the best the CPU has), avx512, avx2 or
-    /// scalar; also `KVSELECT_SIMD` (the flag wins). A path the CPU lacks
-    /// is a start-up error.
-    #[arg(long, value_name = "auto|avx512|avx2|scalar")]
+    /// Token-array loop: auto (the best the CPU has), avx512, avx2, sse4.1
+    /// or scalar; also `KVSELECT_SIMD` (the flag wins). A path the CPU
+    /// lacks is a start-up error.
+    #[arg(long, value_name = "auto|avx512|avx2|sse4.1|scalar")]
     pub simd: Option<String>,
     /// With DYN_ROUTER_QUEUE_THRESHOLD set: the longest a selection waits
     /// for a worker with room; 429 after.
@@ -966,26 +966,33 @@ mod tests {
     #[test]
     fn simd_choice_against_any_cpu() {
         use crate::parse::NumberPath as P;
-        // (avx2, avx512) of a CPU and what each value gives.
-        assert_eq!(P::choose("auto", true, true), Ok(P::Avx512));
-        assert_eq!(P::choose("auto", true, false), Ok(P::Avx2));
-        assert_eq!(P::choose("auto", false, false), Ok(P::Scalar));
-        assert_eq!(P::choose("scalar", true, true), Ok(P::Scalar));
-        assert_eq!(P::choose("AVX2", true, false), Ok(P::Avx2));
-        assert_eq!(P::choose("avx512", true, true), Ok(P::Avx512));
-        let e = P::choose("avx512", true, false).unwrap_err();
+        // (sse4.1, avx2, avx512) of a CPU and what each value gives.
+        assert_eq!(P::choose("auto", true, true, true), Ok(P::Avx512));
+        assert_eq!(P::choose("auto", true, true, false), Ok(P::Avx2));
+        assert_eq!(P::choose("auto", true, false, false), Ok(P::Sse41));
+        assert_eq!(P::choose("auto", false, false, false), Ok(P::Scalar));
+        assert_eq!(P::choose("scalar", true, true, true), Ok(P::Scalar));
+        assert_eq!(P::choose("AVX2", true, true, false), Ok(P::Avx2));
+        assert_eq!(P::choose("avx512", true, true, true), Ok(P::Avx512));
+        assert_eq!(P::choose("SSE4.1", true, true, true), Ok(P::Sse41));
+        let e = P::choose("avx512", true, true, false).unwrap_err();
         assert!(
-            e.contains("lacks the avx512") && e.contains("available: scalar, avx2"),
+            e.contains("lacks the avx512") && e.contains("available: scalar, sse4.1, avx2"),
             "{e}"
         );
-        let e = P::choose("avx2", false, false).unwrap_err();
+        let e = P::choose("avx2", true, false, false).unwrap_err();
         assert!(
-            e.contains("lacks the avx2") && e.contains("available: scalar)"),
+            e.contains("lacks the avx2") && e.contains("available: scalar, sse4.1)"),
             "{e}"
         );
-        let e = P::choose("sse", true, true).unwrap_err();
+        let e = P::choose("sse4.1", false, false, false).unwrap_err();
         assert!(
-            e.contains("`sse` is not one of auto, avx512, avx2, scalar"),
+            e.contains("lacks the sse4.1") && e.contains("available: scalar)"),
+            "{e}"
+        );
+        let e = P::choose("sse", true, true, true).unwrap_err();
+        assert!(
+            e.contains("`sse` is not one of auto, avx512, avx2, sse4.1, scalar"),
             "{e}"
         );
     }

@@ -59,7 +59,7 @@ fn vector_groups(out: &mut Vec<u8>, values: &[u64], path: NumberPath) -> usize {
             // POPCNT were detected at run time, and Avx512 only where those
             // and the AVX-512 parts were.
             NumberPath::Avx2 | NumberPath::Avx512 => unsafe { avx2::push_groups(out, values) },
-            NumberPath::Scalar | NumberPath::Auto => 0,
+            NumberPath::Scalar | NumberPath::Sse41 | NumberPath::Auto => 0,
         }
     }
     #[cfg(not(target_arch = "x86_64"))]

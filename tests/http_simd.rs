@@ -8,7 +8,7 @@
 #[path = "common/process.rs"]
 mod process;
 
-use kvselect::parse::{avx2_available, avx512_available};
+use kvselect::parse::{avx2_available, avx512_available, sse41_available};
 use process::{request, Binary};
 use std::process::{Command, Stdio};
 
@@ -82,6 +82,9 @@ fn answers(args: &[&str], env: &[(&str, &str)], expect: &str) -> Vec<(u16, Strin
 fn every_path_the_cpu_has_starts_and_parses_alike() {
     let scalar = answers(&["--simd", "scalar"], &[], "scalar");
     let mut paths = vec![];
+    if sse41_available() {
+        paths.push("sse4.1");
+    }
     if avx2_available() {
         paths.push("avx2");
     }
@@ -125,7 +128,7 @@ fn refused(args: &[&str], env: &[(&str, &str)]) -> String {
 fn unknown_values_and_missing_features_stop_start_up() {
     let e = refused(&["--simd", "sse9"], &[]);
     assert!(
-        e.contains("`sse9` is not one of auto, avx512, avx2, scalar"),
+        e.contains("`sse9` is not one of auto, avx512, avx2, sse4.1, scalar"),
         "{e}"
     );
     let e = refused(&[], &[("KVSELECT_SIMD", "fast")]);

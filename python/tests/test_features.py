@@ -143,10 +143,10 @@ async def test_ipc_endpoints_need_the_keyword(impl):
 @pytest.mark.kvselect_only
 @async_test
 async def test_simd_keyword_and_environment(impl):
-    with pytest.raises(ValueError, match="is not one of auto, avx512, avx2, scalar"):
+    with pytest.raises(ValueError, match="is not one of auto, avx512, avx2, sse4.1, scalar"):
         impl.SelectionService(simd="sse9")
     # every path gives the same answer; the scalar one exists on every CPU
-    for path in ("scalar", "auto"):
+    for path in ("scalar", "auto") + (("sse4.1",) if "sse4_1" in open("/proc/cpuinfo").read() else ()):
         async with service(impl, simd=path) as svc:
             await svc.upsert_worker(worker(1))
             await wait_loaded(svc, 1)

@@ -30,8 +30,8 @@ pub mod request;
 mod simd;
 mod stream;
 
-use simd::Vector;
-pub use simd::{avx2_available, avx512_available};
+pub use simd::{avx2_available, avx512_available, sse41_available};
+use simd::{Isa, Vector};
 
 pub use request::*;
 pub use stream::{BodyStream, StreamPools};
@@ -104,12 +104,15 @@ impl Default for ParseLimits {
 /// Which loop converts token arrays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum NumberPath {
-    /// The best run the CPU has: AVX-512, else AVX2, else scalar.
+    /// The best run the CPU has: AVX-512, else AVX2, else SSE4.1, else
+    /// scalar.
     #[default]
     Auto,
     /// The plain byte loop only.
     Scalar,
-    /// AVX2 runs (scalar on CPUs without AVX2).
+    /// SSE4.1 runs (scalar on CPUs without SSE4.1 and SSSE3).
+    Sse41,
+    /// AVX2 runs (SSE4.1, else scalar, on CPUs without AVX2).
     Avx2,
     /// AVX-512 runs (AVX2, else scalar, on CPUs without the AVX-512 parts).
     Avx512,
@@ -120,11 +123,16 @@ impl NumberPath {
     /// vector runs the CPU has (pure, so tests can pass any CPU). `auto`
     /// resolves to the best the CPU has; a named path the CPU lacks, or an
     /// unknown value, is an error with the message the server exits with.
-    pub fn choose(value: &str, avx2: bool, avx512: bool) -> Result<NumberPath, String> {
+    pub fn choose(
+        value: &str,
+        sse41: bool,
+        avx2: bool,
+        avx512: bool,
+    ) -> Result<NumberPath, String> {
         let lacks = |name: &str| {
             Err(format!(
                 "--simd {name}: this CPU lacks the {name} features the token loop needs (available: {})",
-                Self::names_for(avx2, avx512)
+                Self::names_for(sse41, avx2, avx512)
             ))
         };
         match value.trim().to_ascii_lowercase().as_str() {
@@ -132,59 +140,75 @@ impl NumberPath {
                 NumberPath::Avx512
             } else if avx2 {
                 NumberPath::Avx2
+            } else if sse41 {
+                NumberPath::Sse41
             } else {
                 NumberPath::Scalar
             }),
             "scalar" => Ok(NumberPath::Scalar),
+            "sse4.1" if sse41 => Ok(NumberPath::Sse41),
+            "sse4.1" => lacks("sse4.1"),
             "avx2" if avx2 => Ok(NumberPath::Avx2),
             "avx2" => lacks("avx2"),
             "avx512" if avx512 => Ok(NumberPath::Avx512),
             "avx512" => lacks("avx512"),
             other => Err(format!(
-                "--simd / KVSELECT_SIMD: `{other}` is not one of auto, avx512, avx2, scalar"
+                "--simd / KVSELECT_SIMD: `{other}` is not one of auto, avx512, avx2, sse4.1, scalar"
             )),
         }
     }
 
     /// [`NumberPath::choose`] for this CPU.
     pub fn choose_here(value: &str) -> Result<NumberPath, String> {
-        Self::choose(value, avx2_available(), avx512_available())
+        Self::choose(
+            value,
+            sse41_available(),
+            avx2_available(),
+            avx512_available(),
+        )
     }
 
-    /// "scalar, avx2, avx512" as far as the CPU has them.
-    fn names_for(avx2: bool, avx512: bool) -> String {
+    /// "scalar, sse4.1, avx2, avx512" as far as the CPU has them.
+    fn names_for(sse41: bool, avx2: bool, avx512: bool) -> String {
         let mut v = vec!["scalar"];
-        if avx2 {
-            v.push("avx2");
-        }
-        if avx512 {
-            v.push("avx512");
+        for (has, name) in [(sse41, "sse4.1"), (avx2, "avx2"), (avx512, "avx512")] {
+            if has {
+                v.push(name);
+            }
         }
         v.join(", ")
     }
 
-    /// The loop this path really runs on this CPU: `scalar`, `avx2` or
-    /// `avx512` (`auto` and the quiet fall-backs resolved).
+    /// The loop this path really runs on this CPU: `scalar`, `sse4.1`,
+    /// `avx2` or `avx512` (`auto` and the quiet fall-backs resolved).
     pub fn effective_name(self) -> &'static str {
         match self.effective() {
             NumberPath::Scalar => "scalar",
+            NumberPath::Sse41 => "sse4.1",
             NumberPath::Avx2 => "avx2",
             NumberPath::Auto | NumberPath::Avx512 => "avx512",
         }
     }
 
     /// The path this one really is on this CPU: [`NumberPath::Scalar`],
-    /// [`NumberPath::Avx2`] only where AVX2 (with BMI1, LZCNT, POPCNT) was
-    /// detected, [`NumberPath::Avx512`] only where the AVX-512 parts were;
-    /// never `Auto`. The reply writer (`json_out`) follows it too, so a
-    /// forced path governs every vector loop of a request.
+    /// [`NumberPath::Sse41`] only where SSE4.1, SSSE3 and POPCNT were
+    /// detected, [`NumberPath::Avx2`] only where AVX2 (with BMI1, LZCNT,
+    /// POPCNT) was, [`NumberPath::Avx512`] only where the AVX-512 parts were;
+    /// each falls back to the next narrower one; never `Auto`. The reply
+    /// writer (`json_out`) follows it too, so a forced path governs every
+    /// vector loop of a request.
     pub fn effective(self) -> NumberPath {
-        match self {
-            NumberPath::Scalar => NumberPath::Scalar,
-            NumberPath::Avx2 if avx2_available() => NumberPath::Avx2,
-            NumberPath::Auto | NumberPath::Avx512 if avx512_available() => NumberPath::Avx512,
-            NumberPath::Auto | NumberPath::Avx512 if avx2_available() => NumberPath::Avx2,
-            _ => NumberPath::Scalar,
+        let widest = match self {
+            NumberPath::Scalar => return NumberPath::Scalar,
+            NumberPath::Sse41 => Isa::Sse41,
+            NumberPath::Avx2 => Isa::Avx2,
+            NumberPath::Auto | NumberPath::Avx512 => Isa::Avx512,
+        };
+        match Vector::detect(widest).map(Vector::isa) {
+            Some(Isa::Avx512) => NumberPath::Avx512,
+            Some(Isa::Avx2) => NumberPath::Avx2,
+            Some(Isa::Sse41) => NumberPath::Sse41,
+            None => NumberPath::Scalar,
         }
     }
 
@@ -196,6 +220,9 @@ impl NumberPath {
     #[cfg(any(test, feature = "testkit"))]
     pub fn available() -> Vec<(NumberPath, &'static str)> {
         let mut paths = vec![(NumberPath::Scalar, "scalar")];
+        if sse41_available() {
+            paths.push((NumberPath::Sse41, "sse4.1"));
+        }
         if avx2_available() {
             paths.push((NumberPath::Avx2, "avx2"));
         }
@@ -215,7 +242,7 @@ impl NumberPath {
             .collect()
     }
 
-    /// "scalar, avx2, avx512": the names of `paths`, for a test to print
+    /// "scalar, sse4.1, avx2, avx512": the names of `paths`, for a test to print
     /// which ran.
     #[cfg(any(test, feature = "testkit"))]
     pub fn names(paths: &[(NumberPath, &'static str)]) -> String {
@@ -255,8 +282,9 @@ impl Parser {
     fn vector(&self) -> Option<Vector> {
         match self.number_path {
             NumberPath::Scalar => None,
-            NumberPath::Avx2 => Vector::detect(false),
-            NumberPath::Auto | NumberPath::Avx512 => Vector::detect(true),
+            NumberPath::Sse41 => Vector::detect(Isa::Sse41),
+            NumberPath::Avx2 => Vector::detect(Isa::Avx2),
+            NumberPath::Auto | NumberPath::Avx512 => Vector::detect(Isa::Avx512),
         }
     }
 }

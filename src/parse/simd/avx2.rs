@@ -4,7 +4,7 @@
 // Target-feature intrinsics and raw stores into reserved capacity.
 #![allow(unsafe_code)]
 
-use super::exact_part;
+use super::{exact_part, part, Part};
 use std::arch::x86_64::*;
 
 /// Bytes classified per step (one bit each in a u64 mask).
@@ -138,35 +138,16 @@ pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize)
         // line PREFETCH bytes ahead (a hint; it never faults).
         _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(p + PREFETCH) as *const i8);
         let [digit, comma, space, zero] = classify(b, p);
-        // Every comma follows a digit, every space a comma, except a space
-        // at bit 0: `p` is an element start (the byte before it is `[`, `,`
-        // or whitespace), so that one is whitespace before an element.
-        let bad =
-            !(digit | comma | space) | (comma & !(digit << 1)) | (space & !((comma << 1) | 1));
-        // The part ends at the last comma; the next step's start depends
-        // on the comma mask alone (not on `bad`), which keeps the chain
-        // from step to step short.
-        let mut last = 63usize.wrapping_sub(comma.leading_zeros() as usize);
-        if comma == 0 || bad & (u64::MAX >> (63 - last)) != 0 {
-            // Only the part before the first bad byte (the array's end,
-            // other whitespace, an error) is the common shape.
-            let clean = bad.wrapping_sub(1) & !bad;
-            let commas = comma & clean;
-            if commas == 0 {
-                break;
-            }
-            last = 63 - commas.leading_zeros() as usize;
-        }
-        // Bits 0..=last: the part of the block whose numbers are complete.
-        let part = u64::MAX >> (63 - last);
-        let starts = digit & !(digit << 1) & part;
-        let mut ends = digit & (comma >> 1) & part;
-        let n = ends.count_ones() as usize;
-        // A run of 9+ digits starts where 9 digit bits in a row begin.
-        let d2 = digit & (digit >> 1);
-        let d4 = d2 & (d2 >> 2);
-        let d9 = d4 & (d4 >> 4) & (digit >> 8);
-        let odd = ((d9 | (zero & (digit >> 1) & starts)) & part) != 0;
+        let Some(Part {
+            last,
+            starts,
+            mut ends,
+            n,
+            odd,
+        }) = part(digit, comma, space, zero)
+        else {
+            break;
+        };
         out.reserve(SPARE);
         let base = out.len();
         // SAFETY: `reserve(SPARE)` guarantees SPARE spare slots past `len`.

@@ -1,5 +1,6 @@
-//! The vector runs over token arrays: the only `unsafe` in the parser. Both
-//! runs (`avx512.rs`, `avx2.rs`) have one contract and one method.
+//! The vector runs over token arrays: the only `unsafe` in the parser. The
+//! three runs (`avx512.rs`, `avx2.rs`, `sse41.rs`) have one contract and one
+//! method.
 //!
 //! [`u32_run`] starts at the first byte of an array element and converts
 //! elements while they have the common shape: 1 to 10 digits, no leading zero,
@@ -13,8 +14,11 @@
 //! with `vpcompressb` and gathers eight numbers' digits with `vpermb`; the
 //! AVX2 run takes each number's last-digit offset with `tzcnt`, loads the
 //! 8-byte window that ends there, and zeroes each lane below its highest
-//! non-digit byte (the separator), four numbers per vector. Both convert with
-//! `maddubs`/`madd`/`mul_epu32` and store straight into reserved capacity.
+//! non-digit byte (the separator), four numbers per vector; the SSE4.1 run
+//! (x86-64-v2 CPUs) does the same with two per vector, and shares the AVX2
+//! run's choice of what a step converts ([`part`]). All convert with
+//! `maddubs`/`madd` (AVX-512 also `mul_epu32`) and store straight into
+//! reserved capacity.
 //!
 //! A part with a number of more than 8 digits or a leading zero is converted
 //! one number at a time, exactly ([`exact_u32`]). At the first element of any
@@ -42,6 +46,24 @@ pub fn avx2_available() -> bool {
             std::is_x86_feature_detected!("avx2")
                 && std::is_x86_feature_detected!("bmi1")
                 && std::is_x86_feature_detected!("lzcnt")
+                && std::is_x86_feature_detected!("popcnt")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Are SSE4.1 and SSSE3 (with POPCNT: x86-64-v2) available on this CPU?
+/// Detected once, then a relaxed load.
+pub fn sse41_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static STATE: AtomicU8 = AtomicU8::new(UNKNOWN);
+        detected_once(&STATE, || {
+            std::is_x86_feature_detected!("sse4.1")
+                && std::is_x86_feature_detected!("ssse3")
                 && std::is_x86_feature_detected!("popcnt")
         })
     }
@@ -98,21 +120,29 @@ fn detected_once(state: &AtomicU8, detect: impl FnOnce() -> bool) -> bool {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Vector(Isa);
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Isa {
+/// The vector runs, narrowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Isa {
+    Sse41,
     Avx2,
     Avx512,
 }
 
 impl Vector {
-    /// The widest run the CPU has (AVX-512 only when `avx512`), or `None`:
-    /// then the scalar loop does all the work.
-    pub(crate) fn detect(avx512: bool) -> Option<Vector> {
-        if avx512 && avx512_available() {
+    /// The widest run the CPU has up to `widest`, or `None`: then the
+    /// scalar loop does all the work.
+    pub(crate) fn detect(widest: Isa) -> Option<Vector> {
+        if widest >= Isa::Avx512 && avx512_available() {
             Some(Vector(Isa::Avx512))
+        } else if widest >= Isa::Avx2 && avx2_available() {
+            Some(Vector(Isa::Avx2))
         } else {
-            avx2_available().then_some(Vector(Isa::Avx2))
+            sse41_available().then_some(Vector(Isa::Sse41))
         }
+    }
+
+    pub(crate) fn isa(self) -> Isa {
+        self.0
     }
 }
 
@@ -126,11 +156,12 @@ pub(crate) fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize, v: Vec
     {
         // SAFETY: a `Vector` exists only once its features were detected at
         // run time (`Vector::detect`): the AVX-512 parts or AVX2, each with
-        // BMI1, LZCNT and POPCNT.
+        // BMI1, LZCNT and POPCNT, or SSE4.1 with SSSE3 and POPCNT.
         unsafe {
             match v.0 {
                 Isa::Avx512 => avx512::u32_run(b, i, out, max),
                 Isa::Avx2 => avx2::u32_run(b, i, out, max),
+                Isa::Sse41 => sse41::u32_run(b, i, out, max),
             }
         }
     }
@@ -140,6 +171,65 @@ pub(crate) fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize, v: Vec
         let _ = (b, out, max, v);
         i
     }
+}
+
+/// The part of one 64-byte step that the AVX2 and SSE4.1 runs convert,
+/// from the step's masks (bit k for byte p + k).
+#[derive(Clone, Copy)]
+pub(super) struct Part {
+    /// The part is bytes 0..=last (its last byte is a comma).
+    pub last: usize,
+    /// First digit of each number of the part.
+    pub starts: u64,
+    /// Last digit of each number of the part.
+    pub ends: u64,
+    /// How many numbers the part holds.
+    pub n: usize,
+    /// A number of more than 8 digits or with a leading zero: convert the
+    /// part exactly ([`exact_part`]).
+    pub odd: bool,
+}
+
+/// The part of a step up to the last comma before the first byte that breaks
+/// the shape: every number in it is complete and followed by `,` or `, `.
+/// `None` when no number before the first odd byte (other whitespace, the
+/// array's end, an error) is complete: the run ends there and the scalar
+/// loop takes that element. Plain integer code, inlined into each run.
+#[inline(always)]
+pub(super) fn part(digit: u64, comma: u64, space: u64, zero: u64) -> Option<Part> {
+    // Every comma follows a digit, every space a comma, except a space at
+    // bit 0: `p` is an element start (the byte before it is `[`, `,` or
+    // whitespace), so that one is whitespace before an element.
+    let bad = !(digit | comma | space) | (comma & !(digit << 1)) | (space & !((comma << 1) | 1));
+    // The part ends at the last comma; the next step's start depends on the
+    // comma mask alone (not on `bad`), which keeps the chain from step to
+    // step short.
+    let mut last = 63usize.wrapping_sub(comma.leading_zeros() as usize);
+    if comma == 0 || bad & (u64::MAX >> (63 - last)) != 0 {
+        // Only the part before the first bad byte is the common shape.
+        let clean = bad.wrapping_sub(1) & !bad;
+        let commas = comma & clean;
+        if commas == 0 {
+            return None;
+        }
+        last = 63 - commas.leading_zeros() as usize;
+    }
+    // Bits 0..=last: the part of the block whose numbers are complete.
+    let part = u64::MAX >> (63 - last);
+    let starts = digit & !(digit << 1) & part;
+    let ends = digit & (comma >> 1) & part;
+    // A run of 9+ digits starts where 9 digit bits in a row begin.
+    let d2 = digit & (digit >> 1);
+    let d4 = d2 & (d2 >> 2);
+    let d9 = d4 & (d4 >> 4) & (digit >> 8);
+    let odd = ((d9 | (zero & (digit >> 1) & starts)) & part) != 0;
+    Some(Part {
+        last,
+        starts,
+        ends,
+        n: ends.count_ones() as usize,
+        odd,
+    })
 }
 
 /// Eight ASCII digits (first digit in the lowest byte, already minus `'0'`)
@@ -222,6 +312,8 @@ pub(super) unsafe fn exact_part(
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod sse41;
 
 #[cfg(test)]
 mod tests;

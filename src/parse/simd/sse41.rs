@@ -1,0 +1,173 @@
+//! The SSE4.1 run: the AVX2 run's method with 128-bit parts, for x86-64
+//! CPUs without AVX2 (x86-64-v2: older Xeons and Atoms, and guests whose
+//! hypervisor CPU model hides AVX2). The step, the part it converts
+//! ([`part`]) and the windows are the AVX2 run's (`avx2.rs`); here a vector
+//! holds two numbers' windows, and `tzcnt`/`lzcnt` are not assumed (the bit
+//! scans compile to `bsf`/`bsr`). x86-64 only.
+
+// Target-feature intrinsics and raw stores into reserved capacity.
+#![allow(unsafe_code)]
+
+use super::{exact_part, part, Part};
+use std::arch::x86_64::*;
+
+/// Bytes classified per step (one bit each in a u64 mask).
+const BLOCK: usize = 64;
+/// Bytes that must follow a step start: the block, plus the 8-byte window
+/// of an unused lane (end 64) and the exact conversion's load near the end.
+const MARGIN: usize = BLOCK + 16;
+/// Bytes that must precede a step start: a number's 8-byte window ends at
+/// its last digit, so a number at the step start reads up to 7 bytes before.
+const BEHIND: usize = 8;
+/// Most numbers one step finishes: 32 one-digit numbers and commas.
+const SLOTS: usize = 32;
+/// Slots written per step: up to 32 numbers, in vectors of 4 (the first 12
+/// unconditionally).
+const SPARE: usize = 36;
+/// How far ahead of a step its load prefetches (about 8 steps).
+const PREFETCH: usize = 512;
+
+/// The 64-bit masks of one block: digits, commas, spaces, zeros.
+#[target_feature(enable = "sse4.1,ssse3,popcnt")]
+fn classify(b: &[u8], p: usize) -> [u64; 4] {
+    debug_assert!(p + BLOCK <= b.len());
+    let zero_c = _mm_set1_epi8(b'0' as i8);
+    let comma_c = _mm_set1_epi8(b',' as i8);
+    let space_c = _mm_set1_epi8(b' ' as i8);
+    let shift = _mm_set1_epi8(0x50);
+    let low = _mm_set1_epi8(-118);
+    let mut m = [0u64; 4];
+    for quarter in 0..BLOCK / 16 {
+        // SAFETY: p + BLOCK <= b.len() (the caller checks p + MARGIN <=
+        // b.len()), so each unaligned 16-byte load reads only bytes of `b`.
+        let v = unsafe { _mm_loadu_si128(b.as_ptr().add(p + 16 * quarter) as *const __m128i) };
+        // '0'..='9' + 0x50 are exactly the signed bytes -128..=-119.
+        let digit = _mm_cmpgt_epi8(low, _mm_add_epi8(v, shift));
+        let sh = 16 * quarter as u32;
+        let mask = |x| (_mm_movemask_epi8(x) as u32 as u64) << sh;
+        m[0] |= mask(digit);
+        m[1] |= mask(_mm_cmpeq_epi8(v, comma_c));
+        m[2] |= mask(_mm_cmpeq_epi8(v, space_c));
+        m[3] |= mask(_mm_cmpeq_epi8(v, zero_c));
+    }
+    m
+}
+
+/// Byte order reversed within each 8-byte lane.
+static REVERSE: [u8; 16] = [7, 6, 5, 4, 3, 2, 1, 0, 15, 14, 13, 12, 11, 10, 9, 8];
+
+/// The next two numbers of 1 to 8 digits whose last digits are the lowest
+/// bits of `ends` (bits taken off), as two 4-digit values per 64-bit lane:
+/// the AVX2 run's `quads4` for two lanes (its doc has the method). An
+/// exhausted mask gives offset 64, whose lane is junk the caller leaves out.
+///
+/// # Safety
+/// `w + 7` is a step start `p` with `p >= BEHIND` and `p + MARGIN` within
+/// the body `w` points into.
+#[target_feature(enable = "sse4.1,ssse3,popcnt")]
+unsafe fn quads2(w: *const u8, ends: &mut u64) -> __m128i {
+    let x = ends.trailing_zeros() as usize;
+    *ends &= ends.wrapping_sub(1);
+    let y = ends.trailing_zeros() as usize;
+    *ends &= ends.wrapping_sub(1);
+    // SAFETY: each offset is at most 64, so each 8-byte load reads
+    // p - 7 + offset .. p + offset + 1 <= p + MARGIN: bytes of the body
+    // (the caller's contract).
+    let v = unsafe {
+        _mm_castpd_si128(_mm_loadh_pd(
+            _mm_castsi128_pd(_mm_loadl_epi64(w.add(x) as *const __m128i)),
+            w.add(y) as *const f64,
+        ))
+    };
+    // SAFETY: REVERSE is exactly 16 bytes (one unaligned 128-bit load).
+    let rev = unsafe { _mm_loadu_si128(REVERSE.as_ptr() as *const __m128i) };
+    let d = _mm_sub_epi8(_mm_shuffle_epi8(v, rev), _mm_set1_epi8(b'0' as i8));
+    // 0xFF where the byte is not a digit (d >= 10 unsigned).
+    let nd = _mm_cmpeq_epi8(_mm_max_epu8(d, _mm_set1_epi8(10)), d);
+    // Per lane, the bits below the lowest non-digit byte.
+    let keep = _mm_andnot_si128(nd, _mm_sub_epi64(nd, _mm_set1_epi64x(1)));
+    let d = _mm_and_si128(d, keep);
+    let d = _mm_maddubs_epi16(d, _mm_set1_epi16(0x0A01));
+    _mm_madd_epi16(d, _mm_set1_epi32(0x0064_0001))
+}
+
+/// Two [`quads2`] results to four u32 values in order (`a`'s two, then
+/// `c`'s): high * 10000 + low with one `madd`.
+#[target_feature(enable = "sse4.1,ssse3,popcnt")]
+fn finish4(a: __m128i, c: __m128i) -> __m128i {
+    _mm_madd_epi16(_mm_packus_epi32(a, c), _mm_set1_epi32(0x2710_0001))
+}
+
+/// The next four numbers of the step into `dst`.
+///
+/// # Safety
+/// As [`quads2`]; `dst` has room for four slots.
+#[target_feature(enable = "sse4.1,ssse3,popcnt")]
+unsafe fn four(w: *const u8, ends: &mut u64, dst: *mut u32) {
+    // SAFETY: the caller's contract.
+    let v = unsafe { finish4(quads2(w, ends), quads2(w, ends)) };
+    // SAFETY: four slots at dst (the caller's contract); unaligned store.
+    unsafe { _mm_storeu_si128(dst as *mut __m128i, v) };
+}
+
+/// The AVX2 run's steps (`avx2.rs`'s `u32_run` has the method and the
+/// contract) with four numbers per vector.
+#[target_feature(enable = "sse4.1,ssse3,popcnt")]
+pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize) -> usize {
+    let mut p = i;
+    if p < BEHIND {
+        return p;
+    }
+    while p + MARGIN <= b.len() && out.len() + SLOTS <= max {
+        // A hint for the line PREFETCH bytes ahead; it never faults.
+        _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(p + PREFETCH) as *const i8);
+        let [digit, comma, space, zero] = classify(b, p);
+        let Some(Part {
+            last,
+            starts,
+            mut ends,
+            n,
+            odd,
+        }) = part(digit, comma, space, zero)
+        else {
+            break;
+        };
+        out.reserve(SPARE);
+        let base = out.len();
+        // SAFETY: `reserve(SPARE)` guarantees SPARE spare slots past `len`.
+        let dst = unsafe { out.as_mut_ptr().add(base) };
+        if !odd {
+            let w = b.as_ptr().wrapping_add(p - 7);
+            // The first 12 unconditionally (a count that varies from step to
+            // step would cost a mispredicted branch per step), then four at
+            // a time.
+            // SAFETY: `w + 7` is the step start p, p >= BEHIND (checked on
+            // entry; p only grows) and p + MARGIN <= b.len() (the loop
+            // condition); slots base..base + k + 4 <= base + SPARE are
+            // reserved (k < n <= 32, k = 4j).
+            unsafe {
+                four(w, &mut ends, dst);
+                four(w, &mut ends, dst.add(4));
+                four(w, &mut ends, dst.add(8));
+                let mut k = 12;
+                while k < n {
+                    four(w, &mut ends, dst.add(k));
+                    k += 4;
+                }
+            }
+        } else {
+            // Exact, in order: the first element of another shape ends the
+            // run with the elements before it kept.
+            // SAFETY: slots base..base + n are reserved (n <= SLOTS <= SPARE).
+            if let Err((k, q)) = unsafe { exact_part(b, p, starts, digit, dst) } {
+                // SAFETY: exact_part wrote slots base..base + k.
+                unsafe { out.set_len(base + k) };
+                return q;
+            }
+        }
+        // SAFETY: slots base..base + n were written above.
+        unsafe { out.set_len(base + n) };
+        p += last + 1;
+    }
+    p
+}
