@@ -203,7 +203,7 @@ pub struct Report {
     pub kv_batches_published: u64,
     /// The server's own freshness figures (`None`s for the reference).
     pub freshness: Freshness,
-    /// The server's token-array loop (`avx512`, `avx2`, `scalar`), read from
+    /// The server's token-array loop (`avx512`, `avx2`, `sse4.1`, `scalar`), read from
     /// its `/metrics` gauge `kvselect_simd_path`; `None` for a server without
     /// it (the reference).
     pub simd_path: Option<String>,
