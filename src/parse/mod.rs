@@ -114,7 +114,8 @@ pub enum NumberPath {
     Sse41,
     /// AVX2 runs (SSE4.1, else scalar, on CPUs without AVX2).
     Avx2,
-    /// AVX-512 runs (AVX2, else scalar, on CPUs without the AVX-512 parts).
+    /// AVX-512 runs (AVX2, else SSE4.1, else scalar, on CPUs without the
+    /// AVX-512 parts).
     Avx512,
 }
 
@@ -179,6 +180,17 @@ impl NumberPath {
         v.join(", ")
     }
 
+    /// The widest run this path allows that the CPU has (`None`: scalar).
+    fn vector(self) -> Option<Vector> {
+        let widest = match self {
+            NumberPath::Scalar => return None,
+            NumberPath::Sse41 => Isa::Sse41,
+            NumberPath::Avx2 => Isa::Avx2,
+            NumberPath::Auto | NumberPath::Avx512 => Isa::Avx512,
+        };
+        Vector::detect(widest)
+    }
+
     /// The loop this path really runs on this CPU: `scalar`, `sse4.1`,
     /// `avx2` or `avx512` (`auto` and the quiet fall-backs resolved).
     pub fn effective_name(self) -> &'static str {
@@ -198,13 +210,7 @@ impl NumberPath {
     /// writer (`json_out`) follows it too, so a forced path governs every
     /// vector loop of a request.
     pub fn effective(self) -> NumberPath {
-        let widest = match self {
-            NumberPath::Scalar => return NumberPath::Scalar,
-            NumberPath::Sse41 => Isa::Sse41,
-            NumberPath::Avx2 => Isa::Avx2,
-            NumberPath::Auto | NumberPath::Avx512 => Isa::Avx512,
-        };
-        match Vector::detect(widest).map(Vector::isa) {
+        match self.vector().map(Vector::isa) {
             Some(Isa::Avx512) => NumberPath::Avx512,
             Some(Isa::Avx2) => NumberPath::Avx2,
             Some(Isa::Sse41) => NumberPath::Sse41,
@@ -280,11 +286,6 @@ impl Parser {
     }
 
     fn vector(&self) -> Option<Vector> {
-        match self.number_path {
-            NumberPath::Scalar => None,
-            NumberPath::Sse41 => Vector::detect(Isa::Sse41),
-            NumberPath::Avx2 => Vector::detect(Isa::Avx2),
-            NumberPath::Auto | NumberPath::Avx512 => Vector::detect(Isa::Avx512),
-        }
+        self.number_path.vector()
     }
 }
