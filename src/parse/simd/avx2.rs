@@ -4,25 +4,11 @@
 // Target-feature intrinsics and raw stores into reserved capacity.
 #![allow(unsafe_code)]
 
-use super::{exact_part, part, Part};
+use super::{exact_part, part, Part, BEHIND, BLOCK, MARGIN, PREFETCH, SLOTS, SPARE};
 use std::arch::x86_64::*;
 
-/// Bytes classified per step (one bit each in a u64 mask).
-const BLOCK: usize = 64;
-/// Bytes that must follow a step start: the block, plus the 8-byte window
-/// of an unused lane (end 64) and the exact conversion's load near the end.
-const MARGIN: usize = BLOCK + 16;
-/// Bytes that must precede a step start: a number's 8-byte window ends at
-/// its last digit, so a number at the step start reads up to 7 bytes before.
-const BEHIND: usize = 8;
-/// Most numbers one step finishes: 32 one-digit numbers and commas.
-const SLOTS: usize = 32;
-/// Slots written per step: up to 32 numbers, in vectors of 12 then 8.
-const SPARE: usize = 36;
 /// Numbers converted per vector (one 64-bit lane each).
 const GROUP: usize = 4;
-/// How far ahead of a step its load prefetches (about 8 steps).
-const PREFETCH: usize = 512;
 
 /// The 64-bit masks of one block: digits, commas, spaces, zeros.
 #[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]

@@ -20,18 +20,8 @@
 // Target-feature intrinsics and raw stores into reserved capacity.
 #![allow(unsafe_code)]
 
-use super::exact_part;
+use super::{exact_part, MARGIN, PREFETCH, SLOTS};
 use std::arch::x86_64::*;
-
-/// Bytes loaded per step (one bit each in a u64 mask).
-const BLOCK: usize = 64;
-/// Bytes that must follow a step start: the block, plus the 8-byte load
-/// of an exact conversion that starts near its end.
-const MARGIN: usize = BLOCK + 16;
-/// Most numbers one step finishes: 32 one-digit numbers and commas.
-const SLOTS: usize = 32;
-/// How far ahead of a step its load prefetches (about 8 steps).
-const PREFETCH: usize = 512;
 
 /// Byte k holds k.
 static IOTA: [u8; 64] = {

@@ -173,6 +173,24 @@ pub(crate) fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize, v: Vec
     }
 }
 
+/// Bytes classified per step (one bit each in a u64 mask).
+const BLOCK: usize = 64;
+/// Bytes that must follow a step start: the block, plus the 8-byte loads
+/// past it (the window of an unused AVX2 or SSE4.1 lane, end 64; the exact
+/// conversion's load near the end).
+const MARGIN: usize = BLOCK + 16;
+/// Bytes that must precede a step start in the AVX2 and SSE4.1 runs: a
+/// number's 8-byte window ends at its last digit, so a number at the step
+/// start reads up to 7 bytes before.
+const BEHIND: usize = 8;
+/// Most numbers one step finishes: 32 one-digit numbers and commas.
+const SLOTS: usize = 32;
+/// Slots the AVX2 and SSE4.1 runs write per step: up to 32 numbers, the
+/// first 12 unconditionally, then in vectors of 8 (AVX2) or 4 (SSE4.1).
+const SPARE: usize = 36;
+/// How far ahead of a step its load prefetches (about 8 steps).
+const PREFETCH: usize = 512;
+
 /// The part of one 64-byte step that the AVX2 and SSE4.1 runs convert,
 /// from the step's masks (bit k for byte p + k).
 #[derive(Clone, Copy)]
