@@ -597,9 +597,8 @@ fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
     };
     if is_mapping(v) {
         // Also a `Sequence` (checked above): its items by index, not its keys.
-        let s = v.cast::<PySequence>()?;
-        for i in 0..s.len().map_err(wrapped)? {
-            push(i, &s.get_item(i).map_err(wrapped)?)?;
+        for (i, item) in sequence_items(v)?.unwrap_or_default().iter().enumerate() {
+            push(i, item)?;
         }
     } else {
         let iter = v.try_iter().map_err(|_| serde_type(v, "a sequence"))?;
