@@ -8,28 +8,18 @@
 //! any outcome (value, or exception type, message, `.kind`, `.status_code`)
 //! that differs other than as documented (see the script's doc).
 //!
-//! Needs the reference in a venv (`KVSELECT_REFERENCE_VENV`, default
-//! `/opt/dynamo-venv`, with `ai-dynamo-runtime==1.6.1`, pyzmq and msgpack),
-//! made from the interpreter pyo3 builds for; `.ci/run` makes it.
+//! Needs the reference in a venv made from the interpreter pyo3 builds for
+//! (`tests/common/reference.rs`); `.ci/run` makes it.
+
+#[path = "../../tests/common/reference.rs"]
+mod reference;
 
 use std::path::Path;
 use std::process::Command;
 
 #[test]
 fn embedded_selector_answers_as_the_reference_does() {
-    let venv =
-        std::env::var("KVSELECT_REFERENCE_VENV").unwrap_or_else(|_| "/opt/dynamo-venv".into());
-    let py = Path::new(&venv).join("bin/python");
-    let ready = Command::new(&py)
-        .args(["-c", "import dynamo._core, zmq, msgpack"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    assert!(
-        ready,
-        "{} cannot import the reference, pyzmq and msgpack; create it with\n  python3 -m venv {venv} && {venv}/bin/pip install ai-dynamo-runtime==1.6.1 pyzmq msgpack",
-        py.display()
-    );
+    let py = reference::python();
     // `target/<profile>/deps`, where this test binary and the module live.
     let exe = std::env::current_exe().expect("test binary path");
     let so = exe.parent().expect("deps dir").join("lib_native.so");
@@ -45,15 +35,5 @@ fn embedded_selector_answers_as_the_reference_does() {
         .current_dir(root)
         .output()
         .expect("run harness/interop/py_diff.py");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "py_diff found outcomes that differ ({}):\n{stdout}\n{stderr}",
-        out.status
-    );
-    assert!(
-        stdout.contains(" 0 mismatches"),
-        "no summary line:\n{stdout}\n{stderr}"
-    );
+    reference::assert_agrees("py_diff", &out);
 }
