@@ -15,11 +15,11 @@
 mod reference;
 
 use std::path::Path;
-use std::process::Command;
 
-#[test]
-fn embedded_selector_answers_as_the_reference_does() {
-    let py = reference::python();
+/// One run of `py_diff.py` on `calls` calls of seed `seed`, with the
+/// constructor keywords `ctor` (JSON) given to both selectors.
+fn diff(calls: &str, seed: &str, ctor: &str) {
+    let python = reference::python();
     // `target/<profile>/deps`, where this test binary and the module live.
     let exe = std::env::current_exe().expect("test binary path");
     let so = exe.parent().expect("deps dir").join("lib_native.so");
@@ -27,13 +27,29 @@ fn embedded_selector_answers_as_the_reference_does() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("repository root");
-    let out = Command::new(&py)
-        .arg(root.join("harness/interop/py_diff.py"))
-        .args(["--calls", "2000", "--seed", "29"])
-        .arg("--native")
-        .arg(&so)
-        .current_dir(root)
-        .output()
-        .expect("run harness/interop/py_diff.py");
-    reference::assert_agrees("py_diff", &out);
+    let native = so.to_str().expect("a UTF-8 target path");
+    reference::run_diff(
+        &python,
+        root,
+        "py_diff.py",
+        &[
+            "--calls", calls, "--seed", seed, "--ctor", ctor, "--native", native,
+        ],
+    );
+}
+
+#[test]
+fn embedded_selector_answers_as_the_reference_does() {
+    diff("2000", "29", "{}");
+}
+
+/// With session affinity and a selection cache of two entries, so that
+/// pending selections are evicted and replays miss, as in the reference.
+#[test]
+fn embedded_selector_with_affinity_and_a_small_cache_answers_as_the_reference_does() {
+    diff(
+        "1500",
+        "37",
+        r#"{"session_affinity_ttl_secs": 60, "selection_cache": {"ttl_secs": 1, "max_entries": 2, "max_bytes": 100000}}"#,
+    );
 }

@@ -1,9 +1,9 @@
 //! The reference (Dynamo 1.6.1) for the differential tests
 //! (`tests/reference_http.rs`, `python/tests/reference.rs`): its venv, and
-//! the verdict of a `harness/interop/*_diff.py` run.
+//! a run of a `harness/interop/*_diff.py` script with its verdict.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 /// The reference venv's interpreter (`KVSELECT_REFERENCE_VENV`, default
 /// `/opt/dynamo-venv`), which must import the reference, pyzmq and msgpack.
@@ -27,18 +27,25 @@ pub fn python() -> PathBuf {
     py
 }
 
-/// A diff script's run passed: exit 0 and its summary line with no
-/// mismatch (`what` names the script in the message).
-pub fn assert_agrees(what: &str, out: &Output) {
+/// Runs `harness/interop/<script>` with `python` from the repository root
+/// `root`, and asserts that it agreed: exit 0 and its summary line with no
+/// mismatch.
+pub fn run_diff(python: &Path, root: &Path, script: &str, args: &[&str]) {
+    let out = Command::new(python)
+        .arg(root.join("harness/interop").join(script))
+        .args(args)
+        .current_dir(root)
+        .output()
+        .unwrap_or_else(|e| panic!("run {script}: {e}"));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "{what} found outcomes that differ ({}):\n{stdout}\n{stderr}",
+        "{script} found outcomes that differ ({}):\n{stdout}\n{stderr}",
         out.status
     );
     assert!(
         stdout.contains(" 0 mismatches"),
-        "{what} printed no summary line:\n{stdout}\n{stderr}"
+        "{script} printed no summary line:\n{stdout}\n{stderr}"
     );
 }
