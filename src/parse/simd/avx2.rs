@@ -4,7 +4,7 @@
 // Target-feature intrinsics and raw stores into reserved capacity.
 #![allow(unsafe_code)]
 
-use super::{exact_part, part, Part, BEHIND, BLOCK, MARGIN, PREFETCH, SLOTS, SPARE};
+use super::{steps, BLOCK};
 use std::arch::x86_64::*;
 
 /// Numbers converted per vector (one 64-bit lane each).
@@ -100,89 +100,45 @@ fn finish8(a: __m256i, c: __m256i) -> __m256i {
     _mm256_permute4x64_epi64::<0xD8>(v)
 }
 
-/// Each step classifies the 64 bytes at an element start `p` and keeps the
-/// part up to the last comma before the first byte that breaks the shape:
-/// every number in it is complete and followed by `,` or `, `. Each number's
-/// last digit is a bit of one mask; GROUP at a time they are converted from
-/// 8-byte windows that end at those digits ([`quads4`], [`finish8`]) and stored straight
-/// into reserved capacity. The next step starts just past the part's last
-/// comma, so a number never straddles two steps.
-///
-/// A part with a number of more than 8 digits or a leading zero is converted
-/// one number at a time, exactly; a step with no complete number before the
-/// first odd byte (other whitespace, the array's end, an error) ends the run
-/// at `p`, and the scalar loop takes that element.
+/// The steps of [`super::steps`] with AVX2 parts: [`classify`], then each
+/// number's last digit taken from `ends` GROUP at a time, converted from
+/// the 8-byte window that ends there ([`quads4`], [`finish8`]) and stored
+/// straight into reserved capacity.
 #[target_feature(enable = "avx2,bmi1,lzcnt,popcnt")]
 pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize) -> usize {
-    let mut p = i;
-    if p < BEHIND {
-        return p;
-    }
-    while p + MARGIN <= b.len() && out.len() + SLOTS <= max {
-        // The next step's start depends on this block (through the last
-        // comma), so a cache miss here stalls the whole chain: ask for the
-        // line PREFETCH bytes ahead (a hint; it never faults).
-        _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(p + PREFETCH) as *const i8);
-        let [digit, comma, space, zero] = classify(b, p);
-        let Some(Part {
-            last,
-            starts,
-            mut ends,
-            n,
-            odd,
-        }) = part(digit, comma, space, zero)
-        else {
-            break;
+    let convert = |w: *const u8, mut ends: u64, n: usize, dst: *mut u32| {
+        // The first 12 numbers unconditionally: a count that varies from
+        // step to step (about ten realistic ids per step) would cost a
+        // mispredicted branch per step.
+        // SAFETY: `w` is 7 bytes before a step start p >= BEHIND with p +
+        // MARGIN within the body (the contract of `steps`): quads4's.
+        let (q0, q1, q2) = unsafe {
+            (
+                quads4(w, &mut ends),
+                quads4(w, &mut ends),
+                quads4(w, &mut ends),
+            )
         };
-        out.reserve(SPARE);
-        let base = out.len();
-        // SAFETY: `reserve(SPARE)` guarantees SPARE spare slots past `len`.
-        let dst = unsafe { out.as_mut_ptr().add(base) };
-        if !odd {
-            // The first 12 numbers unconditionally: a count that varies
-            // from step to step (about ten realistic ids per step) would
-            // cost a mispredicted branch per step.
-            let w = b.as_ptr().wrapping_add(p - 7);
-            // SAFETY: `w + 7` is the step start p, p >= BEHIND (checked on
-            // entry; p only grows) and p + MARGIN <= b.len() (the loop
-            // condition): quads4's contract.
-            let (q0, q1, q2) = unsafe {
-                (
-                    quads4(w, &mut ends),
-                    quads4(w, &mut ends),
-                    quads4(w, &mut ends),
-                )
-            };
-            let v01 = finish8(q0, q1);
-            let v2 = _mm256_castsi256_si128(finish8(q2, q2));
-            // SAFETY: slots base..base + 12 are reserved (SPARE >= 12);
-            // unaligned stores.
-            unsafe {
-                _mm256_storeu_si256(dst as *mut __m256i, v01);
-                _mm_storeu_si128(dst.add(8) as *mut __m128i, v2);
-            }
-            let mut k = 12;
-            while k < n {
-                // SAFETY: as for the first twelve.
-                let (q0, q1) = unsafe { (quads4(w, &mut ends), quads4(w, &mut ends)) };
-                // SAFETY: k + 8 <= SPARE (k < n <= 32, k = 12 + 8j), reserved
-                // above; unaligned store.
-                unsafe { _mm256_storeu_si256(dst.add(k) as *mut __m256i, finish8(q0, q1)) };
-                k += 8;
-            }
-        } else {
-            // Exact, in order: the first element of another shape ends the
-            // run with the elements before it kept.
-            // SAFETY: slots base..base + n are reserved (n <= SLOTS <= SPARE).
-            if let Err((k, q)) = unsafe { exact_part(b, p, starts, digit, dst) } {
-                // SAFETY: exact_part wrote slots base..base + k.
-                unsafe { out.set_len(base + k) };
-                return q;
-            }
+        let v01 = finish8(q0, q1);
+        let v2 = _mm256_castsi256_si128(finish8(q2, q2));
+        // SAFETY: SPARE >= 12 slots at dst are reserved (the contract of
+        // `steps`); unaligned stores.
+        unsafe {
+            _mm256_storeu_si256(dst as *mut __m256i, v01);
+            _mm_storeu_si128(dst.add(8) as *mut __m128i, v2);
         }
-        // SAFETY: slots base..base + n were written above.
-        unsafe { out.set_len(base + n) };
-        p += last + 1;
-    }
-    p
+        let mut k = 12;
+        while k < n {
+            // SAFETY: as for the first twelve.
+            let (q0, q1) = unsafe { (quads4(w, &mut ends), quads4(w, &mut ends)) };
+            // SAFETY: k + 8 <= SPARE (k < n <= 32, k = 12 + 8j), reserved;
+            // unaligned store.
+            unsafe { _mm256_storeu_si256(dst.add(k) as *mut __m256i, finish8(q0, q1)) };
+            k += 8;
+        }
+    };
+    // SAFETY: `classify` loads the 64 bytes at p (p + BLOCK <= p + MARGIN
+    // <= b.len()); `convert` writes at most SPARE slots and loads windows
+    // ending at offsets up to 64: the contract of `steps`.
+    unsafe { steps(b, i, out, max, |b, p| classify(b, p), convert) }
 }

@@ -15,8 +15,9 @@
 //! AVX2 run takes each number's last-digit offset with `tzcnt`, loads the
 //! 8-byte window that ends there, and zeroes each lane below its highest
 //! non-digit byte (the separator), four numbers per vector; the SSE4.1 run
-//! (x86-64-v2 CPUs) does the same with two per vector, and shares the AVX2
-//! run's choice of what a step converts ([`part`]). All convert with
+//! (x86-64-v2 CPUs) does the same with two per vector. Those two share the
+//! loop ([`steps`]) and its choice of what a step converts ([`part`]), and
+//! differ only in how they classify a block and convert a part. All convert with
 //! `maddubs`/`madd` (AVX-512 also `mul_epu32`) and store straight into
 //! reserved capacity.
 //!
@@ -248,6 +249,87 @@ pub(super) fn part(digit: u64, comma: u64, space: u64, zero: u64) -> Option<Part
         n: ends.count_ones() as usize,
         odd,
     })
+}
+
+/// The AVX2 and SSE4.1 runs' loop: each step classifies the 64 bytes at an
+/// element start `p` (`classify`: digits, commas, spaces, zeros) and keeps
+/// the part up to the last comma before the first byte that breaks the
+/// shape ([`part`]): every number in it is complete and followed by `,` or
+/// `, `. A part of numbers of 1 to 8 digits without a leading zero goes to
+/// `convert(w, ends, n, dst)`, which writes its `n` numbers (each one's last
+/// digit a bit of `ends`) from the 8-byte windows that end at those digits
+/// (`w + k` is the window that ends at the step's byte k) straight into
+/// reserved capacity; any other part to [`exact_part`], one number at a
+/// time. The next step starts just past the part's last comma, so a number
+/// never straddles two steps. A step with no complete number before the
+/// first odd byte (other whitespace, the array's end, an error) ends the
+/// run at `p`, and the scalar loop takes that element.
+///
+/// Always inlined into each run, whose target features the two closures
+/// inherit.
+///
+/// # Safety
+/// `classify` may load the 64 bytes at `p`; `convert` may write `SPARE`
+/// slots at `dst` and load the windows ending at offsets up to 64 (with the
+/// 8 bytes past them); the loop keeps `p >= BEHIND` and `p + MARGIN <=
+/// b.len()` for both.
+#[inline(always)]
+pub(super) unsafe fn steps(
+    b: &[u8],
+    i: usize,
+    out: &mut Vec<u32>,
+    max: usize,
+    classify: impl Fn(&[u8], usize) -> [u64; 4],
+    convert: impl Fn(*const u8, u64, usize, *mut u32),
+) -> usize {
+    let mut p = i;
+    if p < BEHIND {
+        return p;
+    }
+    while p + MARGIN <= b.len() && out.len() + SLOTS <= max {
+        // The next step's start depends on this block (through the last
+        // comma), so a cache miss here stalls the whole chain: ask for the
+        // line PREFETCH bytes ahead (a hint; it never faults).
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(p + PREFETCH) as *const i8);
+        }
+        let [digit, comma, space, zero] = classify(b, p);
+        let Some(Part {
+            last,
+            starts,
+            ends,
+            n,
+            odd,
+        }) = part(digit, comma, space, zero)
+        else {
+            break;
+        };
+        out.reserve(SPARE);
+        let base = out.len();
+        // SAFETY: `reserve(SPARE)` guarantees SPARE spare slots past `len`.
+        let dst = unsafe { out.as_mut_ptr().add(base) };
+        if !odd {
+            // `w + 7` is the step start p, p >= BEHIND (checked on entry; p
+            // only grows) and p + MARGIN <= b.len() (the loop condition);
+            // SPARE slots at dst are reserved: `convert`'s contract.
+            convert(b.as_ptr().wrapping_add(p - 7), ends, n, dst);
+        } else {
+            // Exact, in order: the first element of another shape ends the
+            // run with the elements before it kept.
+            // SAFETY: slots base..base + n are reserved (n <= SLOTS <= SPARE).
+            if let Err((k, q)) = unsafe { exact_part(b, p, starts, digit, dst) } {
+                // SAFETY: exact_part wrote slots base..base + k.
+                unsafe { out.set_len(base + k) };
+                return q;
+            }
+        }
+        // SAFETY: slots base..base + n were written above.
+        unsafe { out.set_len(base + n) };
+        p += last + 1;
+    }
+    p
 }
 
 /// Eight ASCII digits (first digit in the lowest byte, already minus `'0'`)

@@ -8,7 +8,7 @@
 // Target-feature intrinsics and raw stores into reserved capacity.
 #![allow(unsafe_code)]
 
-use super::{exact_part, part, Part, BEHIND, BLOCK, MARGIN, PREFETCH, SLOTS, SPARE};
+use super::{steps, BLOCK};
 use std::arch::x86_64::*;
 
 /// The 64-bit masks of one block: digits, commas, spaces, zeros.
@@ -94,64 +94,30 @@ unsafe fn four(w: *const u8, ends: &mut u64, dst: *mut u32) {
     unsafe { _mm_storeu_si128(dst as *mut __m128i, v) };
 }
 
-/// The AVX2 run's steps (`avx2.rs`'s `u32_run` has the method and the
-/// contract) with four numbers per vector.
+/// The steps of [`super::steps`] with SSE4.1 parts: the AVX2 run's method
+/// (`avx2.rs`) with two numbers per vector.
 #[target_feature(enable = "sse4.1,ssse3,popcnt")]
 pub(super) unsafe fn u32_run(b: &[u8], i: usize, out: &mut Vec<u32>, max: usize) -> usize {
-    let mut p = i;
-    if p < BEHIND {
-        return p;
-    }
-    while p + MARGIN <= b.len() && out.len() + SLOTS <= max {
-        // A hint for the line PREFETCH bytes ahead; it never faults.
-        _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(p + PREFETCH) as *const i8);
-        let [digit, comma, space, zero] = classify(b, p);
-        let Some(Part {
-            last,
-            starts,
-            mut ends,
-            n,
-            odd,
-        }) = part(digit, comma, space, zero)
-        else {
-            break;
-        };
-        out.reserve(SPARE);
-        let base = out.len();
-        // SAFETY: `reserve(SPARE)` guarantees SPARE spare slots past `len`.
-        let dst = unsafe { out.as_mut_ptr().add(base) };
-        if !odd {
-            let w = b.as_ptr().wrapping_add(p - 7);
-            // The first 12 unconditionally (a count that varies from step to
-            // step would cost a mispredicted branch per step), then four at
-            // a time.
-            // SAFETY: `w + 7` is the step start p, p >= BEHIND (checked on
-            // entry; p only grows) and p + MARGIN <= b.len() (the loop
-            // condition); slots base..base + k + 4 <= base + SPARE are
-            // reserved (k < n <= 32, k = 4j).
-            unsafe {
-                four(w, &mut ends, dst);
-                four(w, &mut ends, dst.add(4));
-                four(w, &mut ends, dst.add(8));
-                let mut k = 12;
-                while k < n {
-                    four(w, &mut ends, dst.add(k));
-                    k += 4;
-                }
-            }
-        } else {
-            // Exact, in order: the first element of another shape ends the
-            // run with the elements before it kept.
-            // SAFETY: slots base..base + n are reserved (n <= SLOTS <= SPARE).
-            if let Err((k, q)) = unsafe { exact_part(b, p, starts, digit, dst) } {
-                // SAFETY: exact_part wrote slots base..base + k.
-                unsafe { out.set_len(base + k) };
-                return q;
+    let convert = |w: *const u8, mut ends: u64, n: usize, dst: *mut u32| {
+        // The first 12 unconditionally (a count that varies from step to
+        // step would cost a mispredicted branch per step), then four at a
+        // time.
+        // SAFETY: `w` is 7 bytes before a step start p >= BEHIND with p +
+        // MARGIN within the body, and SPARE slots at dst are reserved (the
+        // contract of `steps`); slots k..k + 4 <= SPARE (k < n <= 32, k = 4j).
+        unsafe {
+            four(w, &mut ends, dst);
+            four(w, &mut ends, dst.add(4));
+            four(w, &mut ends, dst.add(8));
+            let mut k = 12;
+            while k < n {
+                four(w, &mut ends, dst.add(k));
+                k += 4;
             }
         }
-        // SAFETY: slots base..base + n were written above.
-        unsafe { out.set_len(base + n) };
-        p += last + 1;
-    }
-    p
+    };
+    // SAFETY: `classify` loads the 64 bytes at p (p + BLOCK <= p + MARGIN
+    // <= b.len()); `convert` writes at most SPARE slots and loads windows
+    // ending at offsets up to 64: the contract of `steps`.
+    unsafe { steps(b, i, out, max, |b, p| classify(b, p), convert) }
 }
