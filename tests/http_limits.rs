@@ -387,3 +387,87 @@ async fn stalled_http2_streams_cost_little_memory() {
         peak - baseline
     );
 }
+
+/// A client that writes its whole request before it reads (Python's
+/// `http.client`, many SDKs): the body, far beyond the limit and beyond what
+/// the loopback socket buffers hold, must not end in a reset. It did: the
+/// server answered 413 and closed with the body unread.
+async fn sent_whole_then_read(addr: SocketAddr, content_type: &str, body_len: usize) -> Vec<u8> {
+    let mut c = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /select HTTP/1.1\r\nHost: kvselect\r\nContent-Type: {content_type}\r\nContent-Length: {body_len}\r\n\r\n"
+    );
+    c.write_all(head.as_bytes()).await.unwrap();
+    let chunk = vec![b' '; 1 << 20];
+    let mut sent = 0;
+    while sent < body_len {
+        let n = chunk.len().min(body_len - sent);
+        c.write_all(&chunk[..n])
+            .await
+            .expect("the server reads the body it does not need");
+        sent += n;
+    }
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
+            .await
+            .expect("answered")
+            .expect("no reset");
+        if n == 0 || parse_response(&raw).is_some_and(|r| !r.body.is_empty()) {
+            break;
+        }
+        raw.extend_from_slice(&buf[..n]);
+        if parse_response(&raw).is_some_and(|r| !r.body.is_empty()) {
+            break;
+        }
+    }
+    raw
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_past_the_limit_sent_whole_gets_its_413_not_a_reset() {
+    let mut config = test_config();
+    config.body_limit_bytes = 1 << 20;
+    let s = start_with(config).await;
+    let raw = sent_whole_then_read(s.addr, "application/json", 24 << 20).await;
+    let r = parse_response(&raw).expect("a response");
+    assert_eq!(r.status, 413);
+    assert_eq!(r.header("connection").as_deref(), Some("close"));
+    assert_eq!(
+        String::from_utf8_lossy(&r.body),
+        r#"{"error":"Failed to buffer the request body: length limit exceeded"}"#
+    );
+    // The same for a body the answer never reads (a 415 by its type).
+    let raw = sent_whole_then_read(s.addr, "text/plain", 24 << 20).await;
+    assert_eq!(parse_response(&raw).expect("a response").status, 415);
+    // And the server goes on serving.
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    health_on(&mut c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_body_past_the_limit_gets_its_413_not_a_stream_reset() {
+    let mut config = test_config();
+    config.body_limit_bytes = 1 << 20;
+    let s = start_with(config).await;
+    let tcp = TcpStream::connect(s.addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    // Past the limit and past HTTP/2's initial flow-control window (64 KiB).
+    let body = http_body_util::Full::new(bytes::Bytes::from(vec![b' '; 4 << 20]));
+    let req = hyper::Request::post("http://kvselect/select")
+        .header("content-type", "application/json")
+        .body(body)
+        .unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(10), send.send_request(req))
+        .await
+        .expect("answered")
+        .expect("a response, not a stream error");
+    assert_eq!(r.status(), 413);
+}

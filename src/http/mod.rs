@@ -44,6 +44,7 @@ use hyper::header::{
     HeaderName, HeaderValue, ALLOW, AUTHORIZATION, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE,
     RETRY_AFTER, WWW_AUTHENTICATE,
 };
+use hyper::http::request::Parts;
 use hyper::{Method, Request, Response, StatusCode, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -401,16 +402,19 @@ impl Server {
 
     async fn handle(&self, req: Request<Incoming>) -> Resp {
         let started = Instant::now();
-        let route = route_label(req.uri().path());
-        let head_only = req.method() == Method::HEAD;
-        let http1 = req.version() <= Version::HTTP_11;
+        let (req, body) = req.into_parts();
+        let mut body = Some(body);
+        let route = route_label(req.uri.path());
+        let head_only = req.method == Method::HEAD;
+        let http1 = req.version <= Version::HTTP_11;
         // Read once: a /ready that says 200 is never sent with
         // `Connection: close`, nor a 503 for draining without it.
         let draining = self.app.is_shutting_down();
         let mut close = draining;
+        let mut linger = true;
         let mut resp = match self.authorize(&req, route) {
             Err(e) => error_response(e),
-            Ok(()) if route == "/metrics" && (head_only || req.method() == Method::GET) => {
+            Ok(()) if route == "/metrics" && (head_only || req.method == Method::GET) => {
                 let mut r = Response::new(Full::new(Bytes::from(self.metrics.render(&self.app))));
                 r.headers_mut().insert(
                     CONTENT_TYPE,
@@ -418,7 +422,7 @@ impl Server {
                 );
                 r
             }
-            Ok(()) => match self.route(req, draining).await {
+            Ok(()) => match self.route(&req, &mut body, draining).await {
                 Ok(Reply {
                     status,
                     body,
@@ -431,11 +435,24 @@ impl Server {
                     r
                 }
                 Err(e) => {
-                    close |= matches!(e, HttpError::BodyTimeout);
+                    // A body past the limit is not read to its end here.
+                    close |= matches!(e, HttpError::BodyTimeout | HttpError::PayloadTooLarge);
+                    linger = !matches!(e, HttpError::BodyTimeout);
                     error_response(e)
                 }
             },
         };
+        // A body the answer did not need (a 413, 415, 401, 404, ...): a
+        // client that sends its whole body before it reads the answer would
+        // get a reset instead of the answer if the connection dropped the
+        // rest unread, so it is read and dropped after the answer
+        // ([`linger`]). Not when the client waits for `100 Continue`: it
+        // sends nothing before our answer.
+        if let Some(rest) = body.filter(|b| !hyper::body::Body::is_end_stream(b)) {
+            if linger && !expects_continue(&req.headers) {
+                linger_body(rest, self.limits.body_read_timeout);
+            }
+        }
         if http1 && close {
             resp.headers_mut()
                 .insert(CONNECTION, HeaderValue::from_static("close"));
@@ -449,14 +466,14 @@ impl Server {
     }
 
     /// Every route but /health needs a bearer token when tokens are set.
-    fn authorize(&self, req: &Request<Incoming>, route: &'static str) -> Result<(), HttpError> {
+    fn authorize(&self, req: &Parts, route: &'static str) -> Result<(), HttpError> {
         let Some(auth) = &self.auth else {
             return Ok(());
         };
         if route == "/health" {
             return Ok(());
         }
-        let header = req.headers().get(AUTHORIZATION).map(HeaderValue::as_bytes);
+        let header = req.headers.get(AUTHORIZATION).map(HeaderValue::as_bytes);
         match auth.check(header) {
             AuthVerdict::Allowed => Ok(()),
             AuthVerdict::Missing => Err(HttpError::Unauthorized { token_given: false }),
@@ -476,14 +493,18 @@ impl Server {
         Ok(r?)
     }
 
-    async fn route(&self, req: Request<Incoming>, draining: bool) -> Routed {
+    /// Answers the request with head `req`; its body stays in `body` until a
+    /// route reads it (see [`Server::handle`] for what happens to a body
+    /// left there).
+    async fn route(&self, req: &Parts, body: &mut Option<Incoming>, draining: bool) -> Routed {
         let app = &self.app;
-        let path = req.uri().path().to_string();
-        let query = req.uri().query().map(str::to_string);
-        let method = req.method().clone();
+        let path = req.uri.path().to_string();
+        let query = req.uri.query().map(str::to_string);
+        let method = req.method.clone();
         let get = method == Method::GET || method == Method::HEAD;
         let post = method == Method::POST;
-        let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        // One leading slash: `//health` is no route, as in the reference.
+        let segments: Vec<&str> = path.strip_prefix('/').unwrap_or(&path).split('/').collect();
         let not_allowed = |allow| Err(HttpError::MethodNotAllowed { allow });
         const GET_HEAD: &str = "GET,HEAD";
         match segments.as_slice() {
@@ -504,10 +525,10 @@ impl Server {
             ["ready"] => not_allowed(GET_HEAD),
             ["workers"] if get => {
                 let q = Query::parse(query.as_deref());
-                ok(&app.list_workers(q.get("model_name"), q.get("routing_group")))
+                ok(&app.list_workers(q.field("model_name")?, q.field("routing_group")?))
             }
             ["workers"] if post => {
-                let body = self.body(req).await?;
+                let body = self.body(req, body).await?;
                 created(
                     &app.upsert_worker(self.parse("worker", || app.parser.worker_upsert(&body))?),
                 )
@@ -516,7 +537,7 @@ impl Server {
             // `/workers/` is no route, as in the reference.
             ["workers", id] if method == Method::PATCH && !id.is_empty() => {
                 let id = parse_u64(id)?;
-                let body = self.body(req).await?;
+                let body = self.body(req, body).await?;
                 ok(&app
                     .patch_worker(id, self.parse("worker", || app.parser.worker_patch(&body))?)?)
             }
@@ -525,7 +546,7 @@ impl Server {
             }
             ["workers", id] if !id.is_empty() => not_allowed("PATCH,DELETE"),
             ["select"] if post => {
-                let body = self.body_stream(req).await?;
+                let body = self.body_stream(req, body).await?;
                 let kind = SelectKind::Select;
                 let req = self.parse("select", || app.parser.select_stream(&body, kind))?;
                 let sel = app.select_queued(&req, kind).await?;
@@ -533,7 +554,7 @@ impl Server {
             }
             ["select"] => not_allowed("POST"),
             ["select_and_reserve"] if post => {
-                let body = self.body_stream(req).await?;
+                let body = self.body_stream(req, body).await?;
                 let kind = SelectKind::SelectAndReserve;
                 let req = self.parse("select", || app.parser.select_stream(&body, kind))?;
                 let sel = app.select_queued(&req, kind).await?;
@@ -541,7 +562,7 @@ impl Server {
             }
             ["select_and_reserve"] => not_allowed("POST"),
             ["reservations"] if post => {
-                let body = self.body_stream(req).await?;
+                let body = self.body_stream(req, body).await?;
                 created(&app.create_reservation(
                     &self.parse("reservation", || app.parser.reservation_stream(&body))?,
                 )?)
@@ -551,41 +572,42 @@ impl Server {
                 if method != Method::DELETE {
                     return not_allowed("DELETE");
                 }
-                app.free_reservation(&percent_decode(id))?;
+                app.free_reservation(&selection_id(id)?)?;
                 status_ok()
             }
             ["reservations", id, "prefill_complete"] => {
                 if !post {
                     return not_allowed("POST");
                 }
-                app.prefill_complete(&percent_decode(id))?;
+                app.prefill_complete(&selection_id(id)?)?;
                 status_ok()
             }
             ["reservations", id, "output_block"] => {
                 if !post {
                     return not_allowed("POST");
                 }
-                let body = self.body(req).await?;
+                let id = selection_id(id)?;
+                let body = self.body(req, body).await?;
                 let decay = self
                     .parse("output_block", || app.parser.output_block(&body))?
                     .decay_fraction;
-                app.output_block(&percent_decode(id), decay)?;
+                app.output_block(&id, decay)?;
                 status_ok()
             }
             ["loads"] if get => {
                 let q = Query::parse(query.as_deref());
-                ok(&app.loads(q.get("model_name"), q.get("routing_group")))
+                ok(&app.loads(q.field("model_name")?, q.field("routing_group")?))
             }
             ["loads"] => not_allowed(GET_HEAD),
             ["potential_loads"] if post => {
-                let body = self.body_stream(req).await?;
+                let body = self.body_stream(req, body).await?;
                 ok(&app.potential_loads(
                     &self.parse("prompt_query", || app.parser.prompt_query_stream(&body))?,
                 )?)
             }
             ["potential_loads"] => not_allowed("POST"),
             ["overlap_scores"] if post => {
-                let body = self.body_stream(req).await?;
+                let body = self.body_stream(req, body).await?;
                 ok(&app.overlap_scores(&self.parse("prompt_query", || {
                     app.parser.overlap_scores_query_stream(&body)
                 })?)?)
@@ -601,7 +623,7 @@ impl Server {
             ["replica_sync", "peers"] if get => ok(&app.replica_peers()),
             ["replica_sync", "peers"] => not_allowed(GET_HEAD),
             ["replica_sync", "register_peer"] if post => {
-                let body = self.body(req).await?;
+                let body = self.body(req, body).await?;
                 let endpoint = self.parse("peer", || app.parser.peer_endpoint(&body))?;
                 let status = if app.register_replica_peer(&endpoint)? {
                     StatusCode::CREATED
@@ -611,7 +633,7 @@ impl Server {
                 Ok(Reply::from((status, br#"{"status":"ok"}"#.to_vec())))
             }
             ["replica_sync", "deregister_peer"] if post => {
-                let body = self.body(req).await?;
+                let body = self.body(req, body).await?;
                 let endpoint = self.parse("peer", || app.parser.peer_endpoint(&body))?;
                 app.deregister_replica_peer(&endpoint)?;
                 status_ok()
@@ -626,13 +648,13 @@ impl Server {
 
     /// Checks Content-Type and a declared Content-Length against the limit;
     /// the limit, and the body's low-water mark (`wake.rs`).
-    fn body_head(&self, req: &Request<Incoming>) -> Result<(usize, BodyWake), HttpError> {
-        if !is_json(req.headers().get(CONTENT_TYPE)) {
+    fn body_head(&self, req: &Parts) -> Result<(usize, BodyWake), HttpError> {
+        if !is_json(req.headers.get(CONTENT_TYPE)) {
             return Err(HttpError::UnsupportedMediaType);
         }
         let limit = self.app.config.body_limit_bytes;
         let declared = req
-            .headers()
+            .headers
             .get(CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
@@ -646,23 +668,29 @@ impl Server {
     /// it arrives (`parse/stream.rs`): token arrays are converted while each
     /// frame is in cache and the body is not copied whole. Same checks,
     /// limit and timeout as [`Server::body`].
-    async fn body_stream(&self, req: Request<Incoming>) -> Result<BodyStream, HttpError> {
-        let (limit, wake) = self.body_head(&req)?;
+    async fn body_stream(
+        &self,
+        req: &Parts,
+        body: &mut Option<Incoming>,
+    ) -> Result<BodyStream, HttpError> {
+        let (limit, wake) = self.body_head(req)?;
         let mut stream = self.app.parser.stream();
-        self.read_frames(req.into_body(), limit, wake, |data| stream.feed(data))
+        self.read_frames(body, limit, wake, |data| stream.feed(data))
             .await?;
         Ok(stream)
     }
 
     /// Checks Content-Type, then reads the body within the limit.
-    async fn body(&self, req: Request<Incoming>) -> Result<Pooled<u8>, HttpError> {
-        let (limit, wake) = self.body_head(&req)?;
+    async fn body(
+        &self,
+        req: &Parts,
+        body: &mut Option<Incoming>,
+    ) -> Result<Pooled<u8>, HttpError> {
+        let (limit, wake) = self.body_head(req)?;
         // Grows with what arrives (Vec doubling), never with `declared`.
         let mut buf = self.bodies.take();
-        self.read_frames(req.into_body(), limit, wake, |data| {
-            buf.extend_from_slice(&data)
-        })
-        .await?;
+        self.read_frames(body, limit, wake, |data| buf.extend_from_slice(&data))
+            .await?;
         Ok(buf)
     }
 
@@ -671,11 +699,15 @@ impl Server {
     /// socket's low-water mark at the bytes still to come (`wake.rs`).
     async fn read_frames(
         &self,
-        mut body: Incoming,
+        body: &mut Option<Incoming>,
         limit: usize,
         mut wake: BodyWake,
         mut sink: impl FnMut(Bytes),
     ) -> Result<(), HttpError> {
+        // A route reads the body once; a second read finds none.
+        let Some(body) = body.as_mut() else {
+            return Ok(());
+        };
         let read = async {
             let mut len = 0usize;
             while let Some(frame) = body.frame().await {
@@ -834,7 +866,7 @@ fn error_response(e: HttpError) -> Resp {
 /// The route template of `path`, a fixed label set for metrics; paths that
 /// match no route are `other`.
 pub fn route_label(path: &str) -> &'static str {
-    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let segments: Vec<&str> = path.strip_prefix('/').unwrap_or(path).split('/').collect();
     match segments.as_slice() {
         ["health"] => "/health",
         ["ready"] => "/ready",
@@ -859,6 +891,42 @@ pub fn route_label(path: &str) -> &'static str {
     }
 }
 
+/// Most bytes of an unneeded request body read and dropped after the
+/// answer ([`linger_body`]); past them the connection drops the rest.
+pub const LINGER_BYTES: usize = 64 * 1024 * 1024;
+
+/// Reads and drops what is left of a request body the answer did not need,
+/// a frame at a time (so in bounded memory), at most [`LINGER_BYTES`] and
+/// `timeout` (the body read timeout), on a task of its own: the connection
+/// sends the answer meanwhile, and a client that sends its whole body before
+/// it reads gets that answer instead of a reset (the reference reads a body
+/// up to its limit before it answers 413). No low-water mark is set on this
+/// body any more (`wake.rs`): [`BodyWake`] reset it when the read stopped.
+fn linger_body(mut body: Incoming, timeout: Duration) {
+    tokio::spawn(async move {
+        let drain = async {
+            let mut n = 0usize;
+            while let Some(Ok(frame)) = body.frame().await {
+                if let Ok(data) = frame.into_data() {
+                    n += data.len();
+                    if n > LINGER_BYTES {
+                        break;
+                    }
+                }
+            }
+        };
+        let _ = tokio::time::timeout(timeout, drain).await;
+    });
+}
+
+/// Does the request wait for `100 Continue` before it sends its body?
+fn expects_continue(headers: &hyper::HeaderMap) -> bool {
+    headers
+        .get(hyper::header::EXPECT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("100-continue"))
+}
+
 /// `application/json` or `application/*+json`, with any parameters.
 pub fn is_json(ct: Option<&HeaderValue>) -> bool {
     let Some(ct) = ct.and_then(|v| v.to_str().ok()) else {
@@ -877,17 +945,36 @@ pub fn is_json(ct: Option<&HeaderValue>) -> bool {
 }
 
 fn parse_u64(s: &str) -> Result<u64, HttpError> {
-    let decoded = percent_decode(s);
+    let decoded = path_param(s, "worker_id")?;
     decoded.parse().map_err(|_| {
         HttpError::InvalidPath(format!("Invalid URL: Cannot parse `{decoded}` to a `u64`"))
     })
 }
 
-/// Decodes `%XX` escapes; invalid escapes are kept literally.
+/// A `{selection_id}` path segment, decoded.
+fn selection_id(s: &str) -> Result<String, HttpError> {
+    path_param(s, "selection_id")
+}
+
+/// A path segment `name`, decoded; escapes that decode to bytes which are not
+/// UTF-8 are a 400, as in the reference (decoded lossily, two different ids
+/// would name one booking).
+fn path_param(s: &str, name: &str) -> Result<String, HttpError> {
+    String::from_utf8(percent_decode_bytes(s))
+        .map_err(|_| HttpError::InvalidPath(format!("Invalid URL: Invalid UTF-8 in `{name}`")))
+}
+
+/// Decodes `%XX` escapes; invalid escapes are kept literally; bytes that are
+/// not UTF-8 become U+FFFD (query values, as the reference reads them).
 pub fn percent_decode(s: &str) -> String {
     if !s.contains('%') {
         return s.to_string();
     }
+    String::from_utf8_lossy(&percent_decode_bytes(s)).into_owned()
+}
+
+/// The bytes `%XX` escapes stand for; invalid escapes are kept literally.
+fn percent_decode_bytes(s: &str) -> Vec<u8> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -903,7 +990,7 @@ pub fn percent_decode(s: &str) -> String {
         out.push(b[i]);
         i += 1;
     }
-    String::from_utf8_lossy(&out).into_owned()
+    out
 }
 
 /// `a=1&b=2` with percent-decoding (`+` is a space in query strings).
@@ -926,11 +1013,17 @@ impl Query {
         Query(pairs)
     }
 
-    fn get(&self, key: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
+    /// The value of field `key`; given twice it is a 400, as in the
+    /// reference (other keys are ignored, repeated or not).
+    fn field(&self, key: &str) -> Result<Option<&str>, HttpError> {
+        let mut values = self.0.iter().filter(|(k, _)| k == key).map(|(_, v)| v);
+        let first = values.next();
+        if values.next().is_some() {
+            return Err(HttpError::InvalidPath(format!(
+                "Failed to deserialize query string: duplicate field `{key}`"
+            )));
+        }
+        Ok(first.map(String::as_str))
     }
 }
 
@@ -957,13 +1050,39 @@ mod tests {
         assert_eq!(percent_decode("100%"), "100%");
         assert_eq!(percent_decode("%zz"), "%zz");
         assert_eq!(percent_decode("%41%42"), "AB");
+        assert_eq!(percent_decode("%FF"), "\u{FFFD}");
+        assert_eq!(selection_id("a%2Fb").unwrap(), "a/b");
+        assert_eq!(selection_id("%C3%A9").unwrap(), "\u{e9}");
+        for bad in ["%FF", "%C3%28", "x%EF%BF"] {
+            let e = selection_id(bad).unwrap_err();
+            assert_eq!(
+                e.status_and_message().1,
+                "Invalid URL: Invalid UTF-8 in `selection_id`"
+            );
+        }
+        assert_eq!(
+            parse_u64("%FF").unwrap_err().status_and_message().1,
+            "Invalid URL: Invalid UTF-8 in `worker_id`"
+        );
     }
 
     #[test]
     fn query_strings() {
-        let q = Query::parse(Some("model_name=a%2Fb&routing_group=&x"));
-        assert_eq!(q.get("model_name"), Some("a/b"));
-        assert_eq!(q.get("routing_group"), Some(""));
-        assert_eq!(q.get("nope"), None);
+        let q = Query::parse(Some("model_name=a%2Fb&routing_group=&x&x"));
+        assert_eq!(q.field("model_name").unwrap(), Some("a/b"));
+        assert_eq!(q.field("routing_group").unwrap(), Some(""));
+        assert_eq!(q.field("nope").unwrap(), None);
+        assert_eq!(q.field("x").unwrap_err().status_and_message().0, 400);
+        let q = Query::parse(Some("model_name=a&model_name=b"));
+        assert_eq!(
+            q.field("model_name").unwrap_err().status_and_message().1,
+            "Failed to deserialize query string: duplicate field `model_name`"
+        );
+    }
+
+    #[test]
+    fn one_leading_slash() {
+        assert_eq!(route_label("/health"), "/health");
+        assert_eq!(route_label("//health"), "other");
     }
 }

@@ -93,10 +93,10 @@ pub struct BodyWake {
 }
 
 impl BodyWake {
-    /// For `req`'s body, whose Content-Length is `declared`: active only
-    /// for a tagged request with one.
-    pub fn new(req: &Request<Incoming>, declared: Option<u64>) -> BodyWake {
-        let socket = req.extensions().get::<BodySocket>().copied();
+    /// For the body of the request with head `req`, whose Content-Length is
+    /// `declared`: active only for a tagged request with one.
+    pub fn new(req: &hyper::http::request::Parts, declared: Option<u64>) -> BodyWake {
+        let socket = req.extensions.get::<BodySocket>().copied();
         BodyWake {
             socket: socket.filter(|_| declared.is_some()),
             declared: declared.unwrap_or(0),
