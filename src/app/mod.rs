@@ -25,6 +25,7 @@ mod reports;
 mod reservations;
 mod selection;
 
+pub use prompt::MAX_ISL_TOKENS;
 pub use reports::{LoadRow, OverlapRow, OverlapScores, PartitionLoads, SharedCache};
 pub use reservations::Reservation;
 pub use selection::{OverlapOut, Selection, WorkerLoad};

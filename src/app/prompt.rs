@@ -13,6 +13,12 @@ use crate::select;
 use rand::Rng;
 use std::sync::Arc;
 
+/// The largest `isl_tokens` a prompt given as hashes may state: far beyond
+/// any model's context, and small enough that no number of bookings can
+/// overflow a rank's 64-bit prefill sum (which would make a loaded worker
+/// look idle).
+pub const MAX_ISL_TOKENS: u64 = u32::MAX as u64;
+
 /// A prompt reduced to what selection needs.
 pub(super) struct Normalized {
     pub isl_tokens: u64,
@@ -151,6 +157,11 @@ impl App {
             .as_deref()
             .ok_or_else(|| required("sequence_hashes"))?;
         let isl = p.isl_tokens.ok_or_else(|| required("isl_tokens"))?;
+        if isl > MAX_ISL_TOKENS {
+            return Err(ServiceError::Invalid(format!(
+                "isl_tokens must be at most {MAX_ISL_TOKENS}"
+            )));
+        }
         if strict {
             let blocks = p.block_hashes.as_deref().map_or(&[][..], Vec::as_slice);
             if isl == 0 {

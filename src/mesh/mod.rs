@@ -392,7 +392,11 @@ impl Mesh {
                     identities: a.token_sequence.as_slice().into(),
                     chained: ev.chained,
                     track: a.track_prefill_tokens,
-                    effective_prefill: a.initial_effective_prefill_tokens,
+                    // As a local prompt's isl_tokens is bounded, so that
+                    // no peer's figure overflows the rank's prefill sum.
+                    effective_prefill: a
+                        .initial_effective_prefill_tokens
+                        .min(crate::app::MAX_ISL_TOKENS),
                     expected_output_tokens: a.expected_output_tokens,
                     lora: ev.lora_name.as_deref().map(Into::into),
                     prefill_done: false,
