@@ -265,6 +265,17 @@ impl WorkerRecord {
         if self.data_parallel_size == Some(0) {
             reasons.push("data_parallel_size must be greater than 0".to_string());
         }
+        // Ranks are u32 and their range ends past the last one: a range
+        // ending past u32::MAX would be cut short, leaving a schedulable
+        // worker with fewer ranks than it declared (or none).
+        let start = u64::from(self.data_parallel_start_rank.unwrap_or(0));
+        let size = u64::from(self.data_parallel_size.unwrap_or(1));
+        if start + size > u64::from(u32::MAX) {
+            reasons.push(
+                "data_parallel_start_rank + data_parallel_size must not exceed 4294967295"
+                    .to_string(),
+            );
+        }
         if queueing && self.max_num_batched_tokens.is_none() {
             reasons
                 .push("max_num_batched_tokens is required while queueing is enabled".to_string());
