@@ -158,6 +158,11 @@ fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::
     String::deserialize(d).map(Some)
 }
 
+/// A `bool` that defaults when absent but is not an `Option` (`advisory`).
+fn present_bool<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
+    bool::deserialize(d).map(Some)
+}
+
 /// `routing_constraints`: optional, but not null (the reference declares it
 /// with a default, not as an `Option`).
 fn present_constraints<'de, D: serde::Deserializer<'de>>(
@@ -187,6 +192,7 @@ pub struct RefSelect {
     allowed_worker_ids: Option<Vec<u64>>,
     #[serde(default, deserialize_with = "present_constraints")]
     routing_constraints: Option<RefConstraints>,
+    #[serde(default, deserialize_with = "present_bool")]
     advisory: Option<bool>,
     token_ids: Option<Vec<u32>>,
     mm_routing_info: Option<RefMm>,
@@ -244,6 +250,7 @@ pub struct RefSelectFlatten {
     allowed_worker_ids: Option<Vec<u64>>,
     #[serde(default, deserialize_with = "present_constraints")]
     routing_constraints: Option<RefConstraints>,
+    #[serde(default, deserialize_with = "present_bool")]
     advisory: Option<bool>,
     #[serde(flatten)]
     prompt: RefPrompt,

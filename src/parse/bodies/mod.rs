@@ -519,7 +519,9 @@ impl Parser {
                         routing_constraints(cur)
                     ),
                     b"advisory" if kind == SelectKind::Select => {
-                        field!(13, "advisory", r.advisory, opt_bool(cur))
+                        // Defaults when absent; `null` is a shape error,
+                        // as in the reference (a `bool`, not an `Option`).
+                        field!(13, "advisory", r.advisory, cur.bool_val().map(Some))
                     }
                     _ => skip(cur, &k)?,
                 }

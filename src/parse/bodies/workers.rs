@@ -54,7 +54,7 @@ pub(super) fn worker_fields(cur: &mut Cur<'_>, upsert: bool) -> PResult<WorkerFi
                 5,
                 "kv_events_endpoints",
                 w.kv_events_endpoints,
-                rank_map(cur)
+                rank_map(cur, !upsert)
             ),
             b"replay_endpoint" => field!(6, "replay_endpoint", w.replay_endpoint, opt_string(cur)),
             b"block_size" => field!(7, "block_size", w.block_size, opt_u32(cur)),
@@ -90,9 +90,12 @@ pub(super) fn worker_fields(cur: &mut Cur<'_>, upsert: bool) -> PResult<WorkerFi
                 )
             }
             b"is_eagle" => field!(13, "is_eagle", w.is_eagle, opt_bool(cur)),
+            // The upsert's taints, topology domains and endpoint map default
+            // when absent but are not `Option`s in the reference: `null` is a
+            // shape error there; a patch's `null` leaves the field as it is.
             b"taints" => field!(14, "taints", w.taints, {
                 let r: PResult<Option<Vec<String>>> = (|| {
-                    if cur.null()? {
+                    if !upsert && cur.null()? {
                         return Ok(None);
                     }
                     Ok(Some(
@@ -103,7 +106,7 @@ pub(super) fn worker_fields(cur: &mut Cur<'_>, upsert: bool) -> PResult<WorkerFi
             }),
             b"topology_domains" => field!(15, "topology_domains", w.topology_domains, {
                 let r: PResult<Option<BTreeMap<String, String>>> = (|| {
-                    if cur.null()? {
+                    if !upsert && cur.null()? {
                         return Ok(None);
                     }
                     cur.object_start("a map")?;
@@ -161,8 +164,9 @@ pub(super) fn worker_fields(cur: &mut Cur<'_>, upsert: bool) -> PResult<WorkerFi
 /// number is a *syntax* error (`expected key to be a number in quotes`), as
 /// is a number not closed by its quote; a number that is not a u32 is a
 /// shape error, reported before the closing quote is looked at.
-fn rank_map(cur: &mut Cur<'_>) -> PResult<Option<BTreeMap<u32, String>>> {
-    if cur.null()? {
+/// `null` is `None` when `null_ok` (a patch), else a shape error.
+fn rank_map(cur: &mut Cur<'_>, null_ok: bool) -> PResult<Option<BTreeMap<u32, String>>> {
+    if null_ok && cur.null()? {
         return Ok(None);
     }
     cur.object_start("a map")?;
