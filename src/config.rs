@@ -19,6 +19,9 @@ pub const DEFAULT_SELECTION_CACHE_MAX_BYTES: usize = 268_435_456;
 /// Stale bookings are force-expired after this age.
 pub const DEFAULT_BOOKING_EXPIRY_SECS: f64 = 300.0;
 pub const DEFAULT_INGEST_THREADS: usize = 4;
+/// Most KV-event threads: each holds a few sockets (file descriptors) and its
+/// own lag record, and past a few per core they only contend.
+pub const MAX_INGEST_THREADS: usize = 64;
 /// Credit of a device (GPU) hit, per block.
 pub const DEFAULT_OVERLAP_SCORE_CREDIT: f64 = 1.0;
 pub const DEFAULT_HOST_CACHE_HIT_WEIGHT: f64 = 0.75;
@@ -650,6 +653,9 @@ impl Config {
                 .then(|| Duration::from_millis(cli.max_index_lag_ms)),
             max_wait: Duration::from_millis(cli.index_lag_max_wait_ms),
         };
+        if cli.ingest_threads > MAX_INGEST_THREADS {
+            return Err(format!("--threads must be at most {MAX_INGEST_THREADS}"));
+        }
         Ok(Config {
             addr: SocketAddr::new(cli.host, cli.port),
             threads,
@@ -853,6 +859,10 @@ mod tests {
         assert_eq!(c.ingest_threads, 1);
         let e = Config::from_cli_with_env(cli(&["--http-threads", "0"]), |_| None).unwrap_err();
         assert_eq!(e, "--http-threads must be at least 1");
+        let c = Config::from_cli_with_env(cli(&["--threads", "64"]), |_| None).unwrap();
+        assert_eq!(c.ingest_threads, 64);
+        let e = Config::from_cli_with_env(cli(&["--threads", "65"]), |_| None).unwrap_err();
+        assert_eq!(e, "--threads must be at most 64");
     }
 
     #[test]
