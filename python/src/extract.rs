@@ -26,9 +26,9 @@
 //! the reference.
 //!
 //! Tokens are the one large input: a `list` is read item by item with no
-//! Python call per item beyond reading the int; buffer-protocol objects
-//! (`array('I')`, numpy `uint32`, `bytes`/`memoryview` of little-endian u32)
-//! are copied into the pooled buffer in one block.
+//! Python call per item beyond reading the int; buffer-protocol objects of
+//! u32 (`array('I')`, numpy `uint32`) and `bytes`/`bytearray`/`memoryview`
+//! of little-endian u32 are copied into the pooled buffer in one block.
 
 use kvselect::parse::{
     AffinityTarget, InputTrigger, KvTransferEnforcement, MmRoutingInfo, Parser, PinnedWorker,
@@ -41,7 +41,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyFrozenSet, PyInt, PyList, PyMapping,
-    PySequence, PySet, PyString, PyTuple,
+    PyMemoryView, PySequence, PySet, PyString, PyTuple,
 };
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -502,9 +502,10 @@ fn too_long(len: usize, read: usize) -> PyErr {
 
 // ----- tokens and hashes -----
 
-/// `token_ids` into a pooled buffer: a list or tuple of ints, or any
-/// buffer-protocol object of u32 (`array('I')`, numpy `uint32`) or of bytes
-/// read as little-endian u32, or another iterable of ints.
+/// `token_ids` into a pooled buffer: a list or tuple of ints, a
+/// buffer-protocol object of u32 (`array('I')`, numpy `uint32`, in its
+/// format's byte order), `bytes`/`bytearray`/`memoryview` read as
+/// little-endian u32, or another iterable of ints (by value).
 fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
     let mut out = parser.tokens.take();
     let too_many = |n: usize| {
@@ -517,13 +518,13 @@ fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
         if list.len() > parser.limits.max_tokens {
             return Err(too_many(list.len()));
         }
-        if let Err(i) = exact_int_list(list, &mut out) {
-            // The slow path names what is wrong with item `i`.
-            let item = list.get_item(i)?;
-            return Err(match token(&item, name, i) {
-                Err(e) => e,
-                Ok(_) => err(format!("{name}[{i}]: invalid value, expected u32")),
-            });
+        let mut from = 0;
+        while let Err(i) = exact_int_list(list, from, &mut out) {
+            // Item `i` is not an exact int in range: an int subclass (an
+            // `IntEnum`, ...) is read as serde reads it, anything else is
+            // named by the error; then the fast path goes on after it.
+            out.push(token(&list.get_item(i)?, name, i)?);
+            from = i + 1;
         }
         return Ok(out);
     }
@@ -556,9 +557,25 @@ fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
         }
         out.resize(n, 0);
         buf.copy_to_slice(py, &mut out)?;
+        // A byte order given in the format (numpy's `>u4`, struct's `!I`)
+        // that is not this machine's: the values, not the bytes.
+        let foreign = match buf.format().to_bytes().first() {
+            Some(b'>' | b'!') => cfg!(target_endian = "little"),
+            Some(b'<') => cfg!(target_endian = "big"),
+            _ => false,
+        };
+        if foreign {
+            out.iter_mut().for_each(|t| *t = t.swap_bytes());
+        }
         return Ok(out);
     }
-    if let Ok(buf) = PyBuffer::<u8>::get(v) {
+    // Raw little-endian u32 bytes only from the byte types themselves; an
+    // `array('B')` or a numpy `uint8` array holds one token per item, read
+    // by value below.
+    let raw_bytes = v.is_instance_of::<PyBytes>()
+        || v.is_instance_of::<PyByteArray>()
+        || v.is_instance_of::<PyMemoryView>();
+    if let Some(buf) = raw_bytes.then(|| PyBuffer::<u8>::get(v).ok()).flatten() {
         let n = buf.item_count();
         if n % 4 != 0 {
             return Err(err(format!(
@@ -609,16 +626,17 @@ fn tokens(parser: &Parser, v: &Bound<'_, PyAny>, name: &str) -> R<Pooled<u32>> {
     Ok(out)
 }
 
-/// Appends every item of `list` when all are exact ints in u32 range, with no
-/// Python call per item beyond reading the int; else the index of the first
-/// item that is not (the caller reports it through [`token`]).
+/// Appends the items of `list` from index `from` on while they are exact
+/// ints in u32 range, with no Python call per item beyond reading the int;
+/// `Err` with the index of the first that is not (the caller reads that one
+/// through [`token`]).
 #[allow(unsafe_code)]
-fn exact_int_list(list: &Bound<'_, PyList>, out: &mut Vec<u32>) -> Result<(), usize> {
+fn exact_int_list(list: &Bound<'_, PyList>, from: usize, out: &mut Vec<u32>) -> Result<(), usize> {
     use pyo3::ffi;
     let n = list.len();
-    out.reserve(n);
+    out.reserve(n.saturating_sub(from));
     let ptr = list.as_ptr();
-    for i in 0..n {
+    for i in from..n {
         // SAFETY: `ptr` is a live list (we hold a reference and the GIL, so
         // it is not resized under us) and `i < n == len(list)`: the item is a
         // valid borrowed pointer. `PyLong_CheckExact` only reads its type.

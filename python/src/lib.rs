@@ -16,7 +16,9 @@
 //! `delete_worker` or `add_output_block` that is never awaited (Ray does
 //! that) effective at once. Another Python thread runs meanwhile; other
 //! coroutines of the same event loop wait for the call, as for any
-//! synchronous call, about a millisecond for a 100k-token prompt.
+//! synchronous call, about a millisecond for a 100k-token prompt. The
+//! running loop is looked up before any work: without one the call raises
+//! `RuntimeError` having changed nothing.
 //! KV-event ingestion, replay and recovery run on kvselect's own threads;
 //! a sweeper thread expires stale bookings as the server does.
 
@@ -103,6 +105,14 @@ mod args {
         replica_sync_peers: Vec<String> = extract::strings_arg,
     );
 
+    pub fn endpoint(v: &Bound<'_, PyAny>) -> PyResult<String> {
+        text(v, "endpoint")
+    }
+
+    pub fn peers(v: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+        extract::strings_arg(v, "peers")
+    }
+
     pub fn replica_sync_host<'a>(v: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
         extract::str_arg(v, "replica_sync_host")
     }
@@ -161,6 +171,17 @@ pub struct SelectionService {
     sweeper_thread: Mutex<Option<JoinHandle<()>>>,
 }
 
+/// `json.loads`, looked up once.
+fn json_loads(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    static LOADS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    Ok(LOADS
+        .get_or_try_init(py, || {
+            Ok::<_, PyErr>(py.import("json")?.getattr("loads")?.unbind())
+        })?
+        .bind(py)
+        .clone())
+}
+
 /// `asyncio.get_running_loop`, looked up once.
 fn running_loop(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     static GET: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -171,23 +192,28 @@ fn running_loop(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     .call0()
 }
 
-/// An `asyncio.Future` of the running loop, already resolved with `r`.
-fn resolved<'py>(py: Python<'py>, r: PyResult<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
-    let fut = running_loop(py)?.call_method0("create_future")?;
+/// A future of `event_loop` (the running loop, looked up before the call
+/// does any work), already resolved with `r`.
+fn resolved<'py>(
+    event_loop: &Bound<'py, PyAny>,
+    r: PyResult<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let fut = event_loop.call_method0("create_future")?;
     match r {
         Ok(v) => fut.call_method1("set_result", (v,))?,
-        Err(e) => fut.call_method1("set_exception", (e.into_value(py),))?,
+        Err(e) => fut.call_method1("set_exception", (e.into_value(event_loop.py()),))?,
     };
     Ok(fut)
 }
 
-/// An engine reply as an already resolved future: the value as Python
-/// objects, or the error mapped to its exception.
+/// An engine reply as a future of `event_loop`, already resolved: the value
+/// as Python objects, or the error mapped to its exception.
 fn answer<'py, T: serde::Serialize>(
-    py: Python<'py>,
+    event_loop: &Bound<'py, PyAny>,
     r: Result<T, kvselect::app::ServiceError>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    resolved(py, r.map_err(to_py).and_then(|v| to_object(py, &v)))
+    let py = event_loop.py();
+    resolved(event_loop, r.map_err(to_py).and_then(|v| to_object(py, &v)))
 }
 
 fn to_object<'py, T: serde::Serialize>(py: Python<'py>, v: &T) -> PyResult<Bound<'py, PyAny>> {
@@ -297,6 +323,12 @@ impl SelectionService {
                 "replica_sync_host `{replica_sync_host}` is not an IP address"
             ))
         })?;
+        // Dynamo's check (its message too): the mesh needs a real port.
+        if replica_sync_port == Some(0) {
+            return Err(PyValueError::new_err(
+                "replica sync port must be greater than zero",
+            ));
+        }
         // The token loop: the keyword, else KVSELECT_SIMD, else the best
         // this CPU has (as the server's --simd).
         let simd = simd
@@ -308,8 +340,10 @@ impl SelectionService {
             // The mesh's PUB binds on the address's IP; there is no HTTP
             // listener in the embedded form.
             addr: std::net::SocketAddr::new(host, 0),
-            // 0 is one thread: the reference still indexes with it.
-            ingest_threads: indexer_threads.max(1),
+            // 0 is one thread: the reference still indexes with it. Above
+            // the server's cap, the cap: the reference takes any value (it
+            // runs a fixed few threads), and each of ours holds sockets.
+            ingest_threads: indexer_threads.clamp(1, kvselect::config::MAX_INGEST_THREADS),
             indexer_peers: indexer_peers.unwrap_or_default(),
             router,
             replica_sync_port,
@@ -358,7 +392,7 @@ impl SelectionService {
             .detach(|| -> Result<Arc<App>, String> {
                 let app = Arc::new(App::new(config));
                 if !peers.is_empty() {
-                    recover(&app, &peers);
+                    recover(&app, &peers, false);
                 }
                 // The same replica mesh as the server's --replica-sync-port; no
                 // HTTP listener here, so peers cannot repair from this replica
@@ -394,13 +428,14 @@ impl SelectionService {
         worker: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let fields = extract::worker_fields(worker, extract::WorkerDict::Upsert)?;
+        let event_loop = running_loop(py)?;
         let r = if self.closed.load(Ordering::SeqCst) {
             Err(shutting_down())
         } else {
             let rec = py.detach(|| self.app.upsert_worker(fields));
             to_object(py, &rec)
         };
-        resolved(py, r)
+        resolved(&event_loop, r)
     }
 
     fn patch_worker<'py>(
@@ -411,7 +446,11 @@ impl SelectionService {
     ) -> PyResult<Bound<'py, PyAny>> {
         let worker_id = extract::worker_id_arg(worker_id)?;
         let fields = extract::worker_fields(patch, extract::WorkerDict::Patch)?;
-        answer(py, py.detach(|| self.app.patch_worker(worker_id, fields)))
+        let event_loop = running_loop(py)?;
+        answer(
+            &event_loop,
+            py.detach(|| self.app.patch_worker(worker_id, fields)),
+        )
     }
 
     fn delete_worker<'py>(
@@ -420,7 +459,8 @@ impl SelectionService {
         worker_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let worker_id = extract::worker_id_arg(worker_id)?;
-        answer(py, py.detach(|| self.app.delete_worker(worker_id)))
+        let event_loop = running_loop(py)?;
+        answer(&event_loop, py.detach(|| self.app.delete_worker(worker_id)))
     }
 
     #[pyo3(signature = (*, model_name=None, routing_group=None))]
@@ -466,7 +506,8 @@ impl SelectionService {
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let req = extract::prompt_query_request(&self.app.parser, request)?;
-        answer(py, py.detach(|| self.app.overlap_scores(&req)))
+        let event_loop = running_loop(py)?;
+        answer(&event_loop, py.detach(|| self.app.overlap_scores(&req)))
     }
 
     fn potential_loads<'py>(
@@ -475,7 +516,8 @@ impl SelectionService {
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let req = extract::prompt_query_request(&self.app.parser, request)?;
-        answer(py, py.detach(|| self.app.potential_loads(&req)))
+        let event_loop = running_loop(py)?;
+        answer(&event_loop, py.detach(|| self.app.potential_loads(&req)))
     }
 
     // ----- reservations -----
@@ -486,7 +528,8 @@ impl SelectionService {
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let req = extract::reservation_request(&self.app.parser, request)?;
-        answer(py, py.detach(|| self.app.create_reservation(&req)))
+        let event_loop = running_loop(py)?;
+        answer(&event_loop, py.detach(|| self.app.create_reservation(&req)))
     }
 
     fn prefill_complete<'py>(
@@ -495,12 +538,13 @@ impl SelectionService {
         selection_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let selection_id = extract::selection_id_arg(selection_id)?;
+        let event_loop = running_loop(py)?;
         let r = self
             .app
             .prefill_complete(&selection_id)
             .map_err(to_py)
             .map(|()| PyTuple::empty(py).into_any());
-        resolved(py, r)
+        resolved(&event_loop, r)
     }
 
     #[pyo3(signature = (selection_id, *, decay_fraction=None))]
@@ -521,12 +565,13 @@ impl SelectionService {
         selection_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let selection_id = extract::selection_id_arg(selection_id)?;
+        let event_loop = running_loop(py)?;
         let r = self
             .app
             .free_reservation(&selection_id)
             .map_err(to_py)
             .map(|()| PyTuple::empty(py).into_any());
-        resolved(py, r)
+        resolved(&event_loop, r)
     }
 
     // ----- reports -----
@@ -546,9 +591,66 @@ impl SelectionService {
         )
     }
 
-    /// The index in the /dump recovery format, as a JSON string.
-    fn indexer_snapshot(&self, py: Python<'_>) -> String {
-        py.detach(|| self.app.dump())
+    /// The index in the `/dump` recovery format: a future resolved with it
+    /// as a dict, as Dynamo's.
+    fn indexer_snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let event_loop = running_loop(py)?;
+        let json = py.detach(|| self.app.dump());
+        let dump = json_loads(py).and_then(|loads| loads.call1((json,)));
+        resolved(&event_loop, dump)
+    }
+
+    /// Loads the index from the first of `peers` (`http://host:port`, as
+    /// `indexer_peers`) whose `/dump` loads; the future resolves with
+    /// whether one did.
+    fn recover_indexer_from_peers<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = args::peers)] peers: Vec<String>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let event_loop = running_loop(py)?;
+        let recovered = py.detach(|| recover(&self.app, &peers, true));
+        resolved(
+            &event_loop,
+            Ok(pyo3::types::PyBool::new(py, recovered)
+                .to_owned()
+                .into_any()),
+        )
+    }
+
+    // ----- replica mesh -----
+
+    /// The mesh's peer endpoints, sorted; `[]` when replica sync is off.
+    fn list_replica_peers(&self) -> Vec<String> {
+        self.app.replica_peers()
+    }
+
+    /// Subscribes to one more peer replica's PUB endpoint (`tcp://host:port`,
+    /// as `replica_sync_peers`); the future resolves with whether the
+    /// membership changed.
+    fn register_replica_peer<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = args::endpoint)] endpoint: String,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let event_loop = running_loop(py)?;
+        answer(&event_loop, self.app.register_replica_peer(&endpoint))
+    }
+
+    /// Stops following a peer replica; the future resolves with whether the
+    /// membership changed.
+    fn deregister_replica_peer<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = args::endpoint)] endpoint: String,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let event_loop = running_loop(py)?;
+        let r = match self.app.deregister_replica_peer(&endpoint) {
+            Ok(()) => Ok(true),
+            Err(kvselect::app::ServiceError::UnknownPeer(_)) => Ok(false),
+            Err(e) => Err(e),
+        };
+        answer(&event_loop, r)
     }
 
     // ----- lifecycle -----
@@ -581,8 +683,9 @@ impl SelectionService {
     }
 
     fn shutdown_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let event_loop = running_loop(py)?;
         self.shutdown(py);
-        resolved(py, Ok(PyTuple::empty(py).into_any()))
+        resolved(&event_loop, Ok(PyTuple::empty(py).into_any()))
     }
 }
 
@@ -594,19 +697,21 @@ impl SelectionService {
         kind: SelectKind,
     ) -> PyResult<Bound<'py, PyAny>> {
         let req = extract::select_request(&self.app.parser, request, kind)?;
+        // Before any work: without a running loop the call fails and books
+        // nothing.
+        let event_loop = running_loop(py)?;
         if let Err(e) = self.check_open() {
-            return resolved(py, Err(e));
+            return resolved(&event_loop, Err(e));
         }
         if let Some(r) = py.detach(|| self.app.select_if_admitted(&req, kind)) {
             return resolved(
-                py,
+                &event_loop,
                 r.map_err(to_py).and_then(|sel| selection_object(py, &sel)),
             );
         }
         // Queued (DYN_ROUTER_QUEUE_THRESHOLD): wait on a thread of its own
         // and settle the future on its loop; a cancelled future leaves the
         // queue unbooked.
-        let event_loop = running_loop(py)?;
         let fut = event_loop.call_method0("create_future")?;
         let (app, event_loop, pending) = (
             Arc::clone(&self.app),
@@ -677,8 +782,9 @@ fn sweep_until_stopped(app: &App, s: &Sweeper) {
     }
 }
 
-/// Loads the peers' indexes at start-up, as the server does.
-fn recover(app: &App, peers: &[String]) {
+/// Loads the peers' indexes: every peer's at start-up (as the server does),
+/// or with `first` only the first that loads. Whether any did.
+fn recover(app: &App, peers: &[String], first: bool) -> bool {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -686,15 +792,23 @@ fn recover(app: &App, peers: &[String]) {
         Ok(rt) => rt,
         Err(e) => {
             tracing::warn!(error = %e, "index recovery skipped: no runtime");
-            return;
+            return false;
         }
     };
+    let mut any = false;
     for peer in peers {
         match rt.block_on(kvselect::recovery::load_peer_dump(app, peer)) {
-            Ok(n) => tracing::info!(%peer, events = n, "recovered index from peer"),
+            Ok(n) => {
+                tracing::info!(%peer, events = n, "recovered index from peer");
+                any = true;
+                if first {
+                    break;
+                }
+            }
             Err(e) => tracing::warn!(%peer, error = %e, "index recovery from peer failed"),
         }
     }
+    any
 }
 
 /// Settles a queued selection's future on its loop, unless it was

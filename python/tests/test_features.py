@@ -226,3 +226,60 @@ async def test_queue_threshold_waits_without_blocking_the_loop(impl, monkeypatch
         await svc.select_and_reserve({"token_ids": _prompt(5)[:64] * 4, "selection_id": "big3"})
         r = await asyncio.wait_for(svc.select({"token_ids": _prompt(6), "advisory": True}), 2)
         assert r["worker_load"]["active_prefill_tokens"] > 100
+
+
+@async_test
+async def test_replica_peer_methods(impl):
+    """``list_replica_peers`` (sync), ``register_replica_peer`` and
+    ``deregister_replica_peer`` (awaitables resolving with whether the
+    membership changed), as Dynamo's; without the mesh the last two fail."""
+    peer = f"tcp://127.0.0.1:{free_port()}"
+    async with service(impl) as off:
+        assert off.list_replica_peers() == []
+        for call in (off.register_replica_peer, off.deregister_replica_peer):
+            with pytest.raises(Exception, match="replica sync is disabled"):
+                await call(peer)
+    async with service(impl, replica_sync_port=free_port()) as svc:
+        assert svc.list_replica_peers() == []
+        assert await svc.register_replica_peer(peer) is True
+        assert await svc.register_replica_peer(peer) is False
+        assert svc.list_replica_peers() == [peer]
+        with pytest.raises(Exception, match="bogus"):
+            await svc.register_replica_peer("bogus")
+        assert await svc.deregister_replica_peer(peer) is True
+        assert await svc.deregister_replica_peer(peer) is False
+        assert svc.list_replica_peers() == []
+
+
+@async_test
+async def test_indexer_snapshot_and_recovery_from_peers(impl):
+    """``indexer_snapshot()`` resolves with the ``/dump`` shape as a dict
+    (``{}`` for an empty index); ``recover_indexer_from_peers(peers)``
+    resolves with whether a peer's dump loaded (none listens here)."""
+    async with service(impl) as svc:
+        assert await svc.indexer_snapshot() == {}
+        dead = f"http://127.0.0.1:{free_port()}"
+        assert await svc.recover_indexer_from_peers([dead]) is False
+        assert await svc.recover_indexer_from_peers([]) is False
+        with pytest.raises(TypeError):
+            svc.recover_indexer_from_peers(dead)
+
+
+def test_replica_sync_port_zero_is_refused(impl):
+    with pytest.raises(Exception, match="replica sync port must be greater than zero"):
+        impl.SelectionService(indexer_threads=1, replica_sync_port=0)
+
+
+@pytest.mark.kvselect_only
+@async_test
+async def test_indexer_threads_beyond_the_cap_run_the_cap(impl):
+    """Dynamo takes any ``indexer_threads`` (it runs a fixed few); kvselect
+    runs at most 64 KV-event threads, so a huge value neither aborts the
+    interpreter (it did, allocating for 2**40 threads) nor runs out of file
+    descriptors."""
+    threads = lambda: len(os.listdir("/proc/self/task"))  # native ones too
+    before = threads()
+    async with service(impl, indexer_threads=2**40) as svc:
+        assert threads() - before <= 64 + 8, threads() - before
+        await svc.upsert_worker(worker(1))
+        await wait_loaded(svc, 1)

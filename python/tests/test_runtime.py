@@ -153,3 +153,46 @@ async def test_shutdown_with_live_bookings_and_twice(impl):
     assert ei.value.kind == "not_found"
     assert load_row(svc, 1)["active_requests"] == 0
     assert svc.shutdown() is None
+
+
+def test_a_call_without_a_running_loop_changes_nothing(impl):
+    """Without a running event loop an awaitable method raises
+    ``RuntimeError`` before it does anything: no worker registered or
+    removed, no booking made or freed (kvselect did the work, then raised)."""
+    svc = impl.SelectionService(indexer_threads=1)
+    try:
+        with pytest.raises(RuntimeError):
+            svc.upsert_worker(worker(1))
+        assert svc.list_workers() == []
+
+        async def register():
+            await svc.upsert_worker(worker(2))
+            await wait_loaded(svc, 2)
+            await svc.select_and_reserve({"token_ids": list(range(1, 65)), "selection_id": "kept"})
+
+        asyncio.run(register())
+        before = load_row(svc, 2)
+        for call in (
+            lambda: svc.select_and_reserve({"token_ids": list(range(1, 65)), "selection_id": "new"}),
+            lambda: svc.create_reservation({
+                "selection_id": "new", "worker_id": 2, "sequence_hashes": [1], "isl_tokens": 16,
+            }),
+            lambda: svc.prefill_complete("kept"),
+            lambda: svc.free_reservation("kept"),
+            lambda: svc.patch_worker(2, {"total_kv_blocks": 777}),
+            lambda: svc.delete_worker(2),
+        ):
+            with pytest.raises(RuntimeError):
+                call()
+        assert load_row(svc, 2) == before
+        assert [w["worker_id"] for w in svc.list_workers()] == [2]
+        assert svc.list_workers()[0].get("total_kv_blocks") != 777
+
+        async def still_free():
+            # "new" was never booked, "kept" is still booked.
+            await svc.select_and_reserve({"token_ids": list(range(1, 65)), "selection_id": "new"})
+            await svc.free_reservation("kept")
+
+        asyncio.run(still_free())
+    finally:
+        svc.shutdown()

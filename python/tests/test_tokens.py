@@ -142,3 +142,56 @@ async def test_bad_numpy_dtype_or_shape(impl):
             svc.select({"token_ids": np.array([1.0, 2.5], dtype=np.float64)})
         with pytest.raises(ValueError):
             svc.select({"token_ids": np.ones((2, 16), dtype=np.uint32)})
+
+
+class _Int(int):
+    pass
+
+
+def test_items_read_by_value_in_both(impl):
+    """Int subclasses in a list (an ``IntEnum``, a user subclass) and an
+    ``array('B')`` are read item by item, by value: one token per item, as
+    Dynamo reads them (kvselect rejected the subclasses and read the
+    ``array('B')`` as raw little-endian u32 bytes)."""
+    import asyncio
+    import enum
+
+    E = enum.IntEnum("E", {f"T{t}": t for t in TOKENS})
+    forms = {
+        "int subclass": [_Int(t) for t in TOKENS],
+        "IntEnum": [E(t) for t in TOKENS],
+        "mixed": [TOKENS[0]] + [_Int(t) for t in TOKENS[1:3]] + TOKENS[3:],
+        "array_B": array.array("B", TOKENS),
+    }
+
+    async def body():
+        async with service(impl) as svc:
+            await svc.upsert_worker(worker(1))
+            await wait_loaded(svc, 1)
+            for i, (name, f) in enumerate(forms.items()):
+                r = await svc.select_and_reserve({"token_ids": f, "selection_id": f"v{i}"})
+                assert r["sequence_hashes"] == SEQ_1_64 and r["isl_tokens"] == 64, name
+            with pytest.raises(ValueError, match=r"invalid value: integer `-1`, expected u32"):
+                svc.select({"token_ids": [1, _Int(-1)]})
+
+    asyncio.run(body())
+
+
+@pytest.mark.kvselect_only
+@async_test
+async def test_numpy_arrays_are_read_by_value_whatever_their_byte_order_or_width(impl):
+    """A numpy ``uint8`` array holds one token per item, and a big-endian
+    ``>u4`` array holds values, not bytes to read little-endian (both were
+    read as raw bytes, giving other tokens without an error)."""
+    np = pytest.importorskip("numpy")
+    async with service(impl) as svc:
+        await svc.upsert_worker(worker(1))
+        await wait_loaded(svc, 1)
+        for i, f in enumerate([
+            np.arange(1, 65, dtype=np.uint8),
+            np.arange(1, 65, dtype=">u4"),
+            np.arange(1, 65, dtype="<u4"),
+            np.repeat(np.arange(1, 65, dtype=">u4"), 2)[::2],  # strided
+        ]):
+            r = await svc.select_and_reserve({"token_ids": f, "selection_id": f"np{i}"})
+            assert r["sequence_hashes"] == SEQ_1_64 and r["isl_tokens"] == 64, f.dtype
