@@ -382,6 +382,22 @@ fn openapi_lists_exactly_the_routes_and_statuses_the_server_has() {
     assert_eq!(c.json(&patch, "99", &json!({})).status, 404);
     assert_eq!(c.send(&delete, "abc", None, None).status, 400);
     assert_eq!(c.send(&delete, "99", None, None).status, 404);
+    // The 400s of the routes without a body: a query field given twice, a
+    // selection id whose escapes are not UTF-8.
+    for (p, m, path) in [
+        ("/workers", "GET", "/workers?model_name=a&model_name=b"),
+        ("/loads", "GET", "/loads?routing_group=a&routing_group=b"),
+        ("/reservations/{selection_id}", "DELETE", "/reservations/%FF"),
+        (
+            "/reservations/{selection_id}/prefill_complete",
+            "POST",
+            "/reservations/%FF/prefill_complete",
+        ),
+    ] {
+        let r = request(s.addr, m, path, &[], b"");
+        assert_eq!(r.status, 400, "{m} {path}");
+        c.record(&op(p, m), r.status, path, None);
+    }
 
     // The front door's statuses on every body route: 400, 413, 415, 422, 408.
     let body_ops: Vec<Op> = doc
