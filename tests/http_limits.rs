@@ -471,3 +471,42 @@ async fn an_http2_body_past_the_limit_gets_its_413_not_a_stream_reset() {
         .expect("a response, not a stream error");
     assert_eq!(r.status(), 413);
 }
+
+/// A body the answer did not need, trickling in for longer than the header
+/// timeout: the request stays in flight while it is read and dropped, so the
+/// watchdog does not take those bytes for a late request head (it did, and
+/// cut the connection with a reset), and the connection then serves its
+/// next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unneeded_body_trickling_past_the_header_timeout_is_read_and_the_connection_kept() {
+    let s = start_with(limits(|l| {
+        l.header_read_timeout = Duration::from_millis(500)
+    }))
+    .await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    const LEN: usize = 20 * 1024;
+    let head = format!(
+        "POST /select HTTP/1.1\r\nHost: kvselect\r\nContent-Type: text/plain\r\nContent-Length: {LEN}\r\n\r\n"
+    );
+    c.write_all(head.as_bytes()).await.unwrap();
+    for _ in 0..10 {
+        c.write_all(&[b' '; LEN / 10])
+            .await
+            .expect("not reset while the body trickles in");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 4096];
+    while parse_response(&raw).is_none_or(|r| r.body.is_empty()) {
+        let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf))
+            .await
+            .expect("answered")
+            .expect("no reset");
+        assert!(n > 0, "closed before the answer");
+        raw.extend_from_slice(&buf[..n]);
+    }
+    let r = parse_response(&raw).unwrap();
+    assert_eq!(r.status, 415);
+    assert_eq!(r.header("connection"), None, "kept alive");
+    health_on(&mut c).await;
+}

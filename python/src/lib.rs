@@ -602,20 +602,44 @@ impl SelectionService {
 
     /// Loads the index from the first of `peers` (`http://host:port`, as
     /// `indexer_peers`) whose `/dump` loads; the future resolves with
-    /// whether one did.
+    /// whether one did. The fetches (each up to the recovery timeout) run
+    /// on a thread of their own, so the event loop keeps running.
     fn recover_indexer_from_peers<'py>(
         &self,
         py: Python<'py>,
         #[pyo3(from_py_with = args::peers)] peers: Vec<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let event_loop = running_loop(py)?;
-        let recovered = py.detach(|| recover(&self.app, &peers, true));
-        resolved(
-            &event_loop,
-            Ok(pyo3::types::PyBool::new(py, recovered)
-                .to_owned()
-                .into_any()),
-        )
+        let fut = event_loop.call_method0("create_future")?;
+        let (app, event_loop, pending) = (
+            Arc::clone(&self.app),
+            event_loop.unbind(),
+            fut.clone().unbind(),
+        );
+        std::thread::Builder::new()
+            .name("kvselect-recovery".into())
+            .spawn(move || {
+                let recovered = recover(&app, &peers, true);
+                Python::attach(|py| {
+                    let value = pyo3::types::PyBool::new(py, recovered)
+                        .to_owned()
+                        .into_any();
+                    let settle = wrap_pyfunction!(settle, py);
+                    let sent = settle.and_then(|f| {
+                        event_loop.call_method1(
+                            py,
+                            "call_soon_threadsafe",
+                            (f, &pending, true, value),
+                        )
+                    });
+                    if let Err(e) = sent {
+                        // The loop is closed: nobody awaits the answer.
+                        tracing::debug!(error = %e, "index recovery: loop gone");
+                    }
+                });
+            })
+            .map_err(|e| PyRuntimeError::new_err(format!("cannot start a recovery thread: {e}")))?;
+        Ok(fut)
     }
 
     // ----- replica mesh -----

@@ -49,7 +49,7 @@ use hyper::{Method, Request, Response, StatusCode, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use limits::{
-    Activity, HttpLimits, Open, Tracked, Verdict, CLOSE_GRACE, EVICT_WAIT, EVICT_WAITERS,
+    Activity, HttpLimits, InFlight, Open, Tracked, Verdict, CLOSE_GRACE, EVICT_WAIT, EVICT_WAITERS,
 };
 use serde::Serialize;
 use std::convert::Infallible;
@@ -342,13 +342,23 @@ impl Server {
         let service = {
             let server = Arc::clone(self);
             let activity = Arc::clone(&activity);
+            let drain = drain.clone();
             hyper::service::service_fn(move |mut req: Request<Incoming>| {
                 BodySocket::tag(&mut req, socket);
                 let in_flight = activity.begin(req.version() == Version::HTTP_2);
                 let server = Arc::clone(&server);
+                let drain = drain.clone();
                 async move {
-                    let resp = server.handle(req).await;
-                    drop(in_flight);
+                    let (resp, rest) = server.handle(req).await;
+                    match rest {
+                        // The request stays in flight while its body is
+                        // read: to the watchdog those bytes are a body, not
+                        // the head of the next request.
+                        Some(body) => {
+                            linger_body(body, server.limits.body_read_timeout, in_flight, drain)
+                        }
+                        None => drop(in_flight),
+                    }
                     Ok::<_, Infallible>(resp)
                 }
             })
@@ -400,10 +410,12 @@ impl Server {
         }
     }
 
-    async fn handle(&self, req: Request<Incoming>) -> Resp {
+    /// The answer, and the rest of a request body it did not need, to be
+    /// read and dropped after it ([`linger_body`]).
+    async fn handle(&self, req: Request<Incoming>) -> (Resp, Option<Incoming>) {
         let started = Instant::now();
         let (req, body) = req.into_parts();
-        let mut body = Some(body);
+        let mut body = BodySlot::new(body);
         let route = route_label(req.uri.path());
         let head_only = req.method == Method::HEAD;
         let http1 = req.version <= Version::HTTP_11;
@@ -446,13 +458,11 @@ impl Server {
         // client that sends its whole body before it reads the answer would
         // get a reset instead of the answer if the connection dropped the
         // rest unread, so it is read and dropped after the answer
-        // ([`linger`]). Not when the client waits for `100 Continue`: it
-        // sends nothing before our answer.
-        if let Some(rest) = body.filter(|b| !hyper::body::Body::is_end_stream(b)) {
-            if linger && !expects_continue(&req.headers) {
-                linger_body(rest, self.limits.body_read_timeout);
-            }
-        }
+        // ([`linger_body`]). Not when the client waits for `100 Continue`
+        // and nothing asked for the body: it sends nothing before our answer.
+        let rest = body
+            .unread()
+            .filter(|_| linger && (body.polled || !expects_continue(&req.headers)));
         if http1 && close {
             resp.headers_mut()
                 .insert(CONNECTION, HeaderValue::from_static("close"));
@@ -462,7 +472,7 @@ impl Server {
         }
         self.metrics
             .request(route, resp.status().as_u16(), started.elapsed());
-        resp
+        (resp, rest)
     }
 
     /// Every route but /health needs a bearer token when tokens are set.
@@ -496,7 +506,7 @@ impl Server {
     /// Answers the request with head `req`; its body stays in `body` until a
     /// route reads it (see [`Server::handle`] for what happens to a body
     /// left there).
-    async fn route(&self, req: &Parts, body: &mut Option<Incoming>, draining: bool) -> Routed {
+    async fn route(&self, req: &Parts, body: &mut BodySlot, draining: bool) -> Routed {
         let app = &self.app;
         let path = req.uri.path().to_string();
         let query = req.uri.query().map(str::to_string);
@@ -525,7 +535,8 @@ impl Server {
             ["ready"] => not_allowed(GET_HEAD),
             ["workers"] if get => {
                 let q = Query::parse(query.as_deref());
-                ok(&app.list_workers(q.field("model_name")?, q.field("routing_group")?))
+                let [model, group] = q.fields(["model_name", "routing_group"])?;
+                ok(&app.list_workers(model, group))
             }
             ["workers"] if post => {
                 let body = self.body(req, body).await?;
@@ -596,7 +607,8 @@ impl Server {
             }
             ["loads"] if get => {
                 let q = Query::parse(query.as_deref());
-                ok(&app.loads(q.field("model_name")?, q.field("routing_group")?))
+                let [model, group] = q.fields(["model_name", "routing_group"])?;
+                ok(&app.loads(model, group))
             }
             ["loads"] => not_allowed(GET_HEAD),
             ["potential_loads"] if post => {
@@ -668,11 +680,7 @@ impl Server {
     /// it arrives (`parse/stream.rs`): token arrays are converted while each
     /// frame is in cache and the body is not copied whole. Same checks,
     /// limit and timeout as [`Server::body`].
-    async fn body_stream(
-        &self,
-        req: &Parts,
-        body: &mut Option<Incoming>,
-    ) -> Result<BodyStream, HttpError> {
+    async fn body_stream(&self, req: &Parts, body: &mut BodySlot) -> Result<BodyStream, HttpError> {
         let (limit, wake) = self.body_head(req)?;
         let mut stream = self.app.parser.stream();
         self.read_frames(body, limit, wake, |data| stream.feed(data))
@@ -681,11 +689,7 @@ impl Server {
     }
 
     /// Checks Content-Type, then reads the body within the limit.
-    async fn body(
-        &self,
-        req: &Parts,
-        body: &mut Option<Incoming>,
-    ) -> Result<Pooled<u8>, HttpError> {
+    async fn body(&self, req: &Parts, body: &mut BodySlot) -> Result<Pooled<u8>, HttpError> {
         let (limit, wake) = self.body_head(req)?;
         // Grows with what arrives (Vec doubling), never with `declared`.
         let mut buf = self.bodies.take();
@@ -699,15 +703,17 @@ impl Server {
     /// socket's low-water mark at the bytes still to come (`wake.rs`).
     async fn read_frames(
         &self,
-        body: &mut Option<Incoming>,
+        body: &mut BodySlot,
         limit: usize,
         mut wake: BodyWake,
         mut sink: impl FnMut(Bytes),
     ) -> Result<(), HttpError> {
         // A route reads the body once; a second read finds none.
+        let BodySlot { body, polled, done } = body;
         let Some(body) = body.as_mut() else {
             return Ok(());
         };
+        *polled = true;
         let read = async {
             let mut len = 0usize;
             while let Some(frame) = body.frame().await {
@@ -724,7 +730,11 @@ impl Server {
             Ok(())
         };
         match tokio::time::timeout(self.limits.body_read_timeout, read).await {
-            Ok(r) => r,
+            Ok(r) => {
+                // Read to its end, or broken: nothing is left to read.
+                *done = !matches!(r, Err(HttpError::PayloadTooLarge));
+                r
+            }
             Err(_) => {
                 self.metrics.timeout(Timeout::Body);
                 Err(HttpError::BodyTimeout)
@@ -891,20 +901,56 @@ pub fn route_label(path: &str) -> &'static str {
     }
 }
 
+/// A request's body while its route runs: read by at most one route
+/// (`Server::read_frames`), and what is left of it afterwards.
+struct BodySlot {
+    body: Option<Incoming>,
+    /// A route started reading it (so hyper sent any `100 Continue`).
+    polled: bool,
+    /// It was read to its end, or broke off.
+    done: bool,
+}
+
+impl BodySlot {
+    fn new(body: Incoming) -> BodySlot {
+        BodySlot {
+            body: Some(body),
+            polled: false,
+            done: false,
+        }
+    }
+
+    /// The body, unless it was read to its end or broke off, or is known
+    /// to be empty.
+    fn unread(&mut self) -> Option<Incoming> {
+        let body = self.body.take()?;
+        (!self.done && !hyper::body::Body::is_end_stream(&body)).then_some(body)
+    }
+}
+
 /// Most bytes of an unneeded request body read and dropped after the
 /// answer ([`linger_body`]); past them the connection drops the rest.
 pub const LINGER_BYTES: usize = 64 * 1024 * 1024;
 
 /// Reads and drops what is left of a request body the answer did not need,
 /// a frame at a time (so in bounded memory), at most [`LINGER_BYTES`] and
-/// `timeout` (the body read timeout), on a task of its own: the connection
-/// sends the answer meanwhile, and a client that sends its whole body before
-/// it reads gets that answer instead of a reset (the reference reads a body
-/// up to its limit before it answers 413). No low-water mark is set on this
-/// body any more (`wake.rs`): [`BodyWake`] reset it when the read stopped.
-fn linger_body(mut body: Incoming, timeout: Duration) {
+/// `timeout` (the body read timeout), and no longer than until the server
+/// starts draining, on a task of its own: the connection sends the answer
+/// meanwhile, and a client that sends its whole body before it reads gets
+/// that answer instead of a reset (the reference reads a body up to its
+/// limit before it answers 413). The request counts as in flight until
+/// then (`in_flight`), so the watchdog (`limits.rs`) takes the bytes for a
+/// body, not for the head of a next request. No low-water mark is set on
+/// this body any more (`wake.rs`): [`BodyWake`] reset it when the read
+/// stopped.
+fn linger_body(
+    mut body: Incoming,
+    timeout: Duration,
+    in_flight: InFlight,
+    mut drain: watch::Receiver<bool>,
+) {
     tokio::spawn(async move {
-        let drain = async {
+        let read = async {
             let mut n = 0usize;
             while let Some(Ok(frame)) = body.frame().await {
                 if let Ok(data) = frame.into_data() {
@@ -915,7 +961,11 @@ fn linger_body(mut body: Incoming, timeout: Duration) {
                 }
             }
         };
-        let _ = tokio::time::timeout(timeout, drain).await;
+        tokio::select! {
+            _ = tokio::time::timeout(timeout, read) => {}
+            _ = drain.wait_for(|d| *d) => {}
+        }
+        drop(in_flight);
     });
 }
 
@@ -1013,17 +1063,22 @@ impl Query {
         Query(pairs)
     }
 
-    /// The value of field `key`; given twice it is a 400, as in the
-    /// reference (other keys are ignored, repeated or not).
-    fn field(&self, key: &str) -> Result<Option<&str>, HttpError> {
-        let mut values = self.0.iter().filter(|(k, _)| k == key).map(|(_, v)| v);
-        let first = values.next();
-        if values.next().is_some() {
-            return Err(HttpError::InvalidPath(format!(
-                "Failed to deserialize query string: duplicate field `{key}`"
-            )));
+    /// The values of fields `keys`; the first of them given twice, in the
+    /// query's order, is a 400, as in the reference (other keys are
+    /// ignored, repeated or not).
+    fn fields<const N: usize>(&self, keys: [&str; N]) -> Result<[Option<&str>; N], HttpError> {
+        let mut out = [None; N];
+        for (k, v) in &self.0 {
+            if let Some(i) = keys.iter().position(|key| key == k) {
+                if out[i].is_some() {
+                    return Err(HttpError::InvalidPath(format!(
+                        "Failed to deserialize query string: duplicate field `{k}`"
+                    )));
+                }
+                out[i] = Some(v.as_str());
+            }
         }
-        Ok(first.map(String::as_str))
+        Ok(out)
     }
 }
 
@@ -1069,14 +1124,21 @@ mod tests {
     #[test]
     fn query_strings() {
         let q = Query::parse(Some("model_name=a%2Fb&routing_group=&x&x"));
-        assert_eq!(q.field("model_name").unwrap(), Some("a/b"));
-        assert_eq!(q.field("routing_group").unwrap(), Some(""));
-        assert_eq!(q.field("nope").unwrap(), None);
-        assert_eq!(q.field("x").unwrap_err().status_and_message().0, 400);
-        let q = Query::parse(Some("model_name=a&model_name=b"));
         assert_eq!(
-            q.field("model_name").unwrap_err().status_and_message().1,
-            "Failed to deserialize query string: duplicate field `model_name`"
+            q.fields(["model_name", "routing_group", "nope"]).unwrap(),
+            [Some("a/b"), Some(""), None]
+        );
+        assert_eq!(q.fields(["x"]).unwrap_err().status_and_message().0, 400);
+        // The first key repeated in the query's order is named.
+        let q = Query::parse(Some(
+            "routing_group=a&model_name=a&routing_group=b&model_name=b",
+        ));
+        assert_eq!(
+            q.fields(["model_name", "routing_group"])
+                .unwrap_err()
+                .status_and_message()
+                .1,
+            "Failed to deserialize query string: duplicate field `routing_group`"
         );
     }
 
