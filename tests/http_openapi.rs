@@ -387,7 +387,11 @@ fn openapi_lists_exactly_the_routes_and_statuses_the_server_has() {
     for (p, m, path) in [
         ("/workers", "GET", "/workers?model_name=a&model_name=b"),
         ("/loads", "GET", "/loads?routing_group=a&routing_group=b"),
-        ("/reservations/{selection_id}", "DELETE", "/reservations/%FF"),
+        (
+            "/reservations/{selection_id}",
+            "DELETE",
+            "/reservations/%FF",
+        ),
         (
             "/reservations/{selection_id}/prefill_complete",
             "POST",
