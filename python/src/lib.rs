@@ -610,36 +610,17 @@ impl SelectionService {
         #[pyo3(from_py_with = args::peers)] peers: Vec<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let event_loop = running_loop(py)?;
-        let fut = event_loop.call_method0("create_future")?;
-        let (app, event_loop, pending) = (
-            Arc::clone(&self.app),
-            event_loop.unbind(),
-            fut.clone().unbind(),
-        );
-        std::thread::Builder::new()
-            .name("kvselect-recovery".into())
-            .spawn(move || {
-                let recovered = recover(&app, &peers, true);
-                Python::attach(|py| {
-                    let value = pyo3::types::PyBool::new(py, recovered)
-                        .to_owned()
-                        .into_any();
-                    let settle = wrap_pyfunction!(settle, py);
-                    let sent = settle.and_then(|f| {
-                        event_loop.call_method1(
-                            py,
-                            "call_soon_threadsafe",
-                            (f, &pending, true, value),
-                        )
-                    });
-                    if let Err(e) = sent {
-                        // The loop is closed: nobody awaits the answer.
-                        tracing::debug!(error = %e, "index recovery: loop gone");
-                    }
-                });
-            })
-            .map_err(|e| PyRuntimeError::new_err(format!("cannot start a recovery thread: {e}")))?;
-        Ok(fut)
+        let app = Arc::clone(&self.app);
+        future_from_thread(
+            event_loop,
+            "kvselect-recovery",
+            move |_| Some(recover(&app, &peers, true)),
+            |py, recovered| {
+                Ok(pyo3::types::PyBool::new(py, recovered)
+                    .to_owned()
+                    .into_any())
+            },
+        )
     }
 
     // ----- replica mesh -----
@@ -736,15 +717,11 @@ impl SelectionService {
         // Queued (DYN_ROUTER_QUEUE_THRESHOLD): wait on a thread of its own
         // and settle the future on its loop; a cancelled future leaves the
         // queue unbooked.
-        let fut = event_loop.call_method0("create_future")?;
-        let (app, event_loop, pending) = (
-            Arc::clone(&self.app),
-            event_loop.unbind(),
-            fut.clone().unbind(),
-        );
-        std::thread::Builder::new()
-            .name("kvselect-queued".into())
-            .spawn(move || {
+        let app = Arc::clone(&self.app);
+        future_from_thread(
+            event_loop,
+            "kvselect-queued",
+            move |pending| {
                 let wanted = || {
                     Python::attach(|py| {
                         !pending
@@ -754,31 +731,10 @@ impl SelectionService {
                             .unwrap_or(true)
                     })
                 };
-                let Some(r) = app.select_blocking(&req, kind, wanted) else {
-                    return;
-                };
-                Python::attach(|py| {
-                    let (ok, value) = match r.map_err(to_py).and_then(|s| selection_object(py, &s))
-                    {
-                        Ok(v) => (true, v.unbind()),
-                        Err(e) => (false, e.into_value(py).into_any()),
-                    };
-                    let settle = wrap_pyfunction!(settle, py);
-                    let sent = settle.and_then(|f| {
-                        event_loop.call_method1(
-                            py,
-                            "call_soon_threadsafe",
-                            (f, &pending, ok, value),
-                        )
-                    });
-                    if let Err(e) = sent {
-                        // The loop is closed: nobody awaits the answer.
-                        tracing::debug!(error = %e, "queued selection: loop gone");
-                    }
-                });
-            })
-            .map_err(|e| PyRuntimeError::new_err(format!("cannot start a queue waiter: {e}")))?;
-        Ok(fut)
+                app.select_blocking(&req, kind, wanted)
+            },
+            |py, r| r.map_err(to_py).and_then(|s| selection_object(py, &s)),
+        )
     }
 }
 
@@ -835,8 +791,44 @@ fn recover(app: &App, peers: &[String], first: bool) -> bool {
     any
 }
 
-/// Settles a queued selection's future on its loop, unless it was
-/// cancelled meanwhile.
+/// A future of `event_loop` settled from a thread of its own (`name`):
+/// `work` runs there without the GIL and gets the pending future (to see
+/// whether it was cancelled); its value, unless `None`, becomes the answer
+/// through `answer` with the GIL, on the loop (`call_soon_threadsafe`, then
+/// [`settle`]). A closed loop has nobody awaiting the answer.
+fn future_from_thread<'py, T: 'static>(
+    event_loop: Bound<'py, PyAny>,
+    name: &str,
+    work: impl FnOnce(&Py<PyAny>) -> Option<T> + Send + 'static,
+    answer: impl for<'a> FnOnce(Python<'a>, T) -> PyResult<Bound<'a, PyAny>> + Send + 'static,
+) -> PyResult<Bound<'py, PyAny>> {
+    let fut = event_loop.call_method0("create_future")?;
+    let (event_loop, pending) = (event_loop.unbind(), fut.clone().unbind());
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let Some(v) = work(&pending) else {
+                return;
+            };
+            Python::attach(|py| {
+                let (ok, value) = match answer(py, v) {
+                    Ok(v) => (true, v.unbind()),
+                    Err(e) => (false, e.into_value(py).into_any()),
+                };
+                let sent = wrap_pyfunction!(settle, py).and_then(|f| {
+                    event_loop.call_method1(py, "call_soon_threadsafe", (f, &pending, ok, value))
+                });
+                if let Err(e) = sent {
+                    tracing::debug!(error = %e, "a future's loop is gone");
+                }
+            });
+        })
+        .map_err(|e| PyRuntimeError::new_err(format!("cannot start a thread: {e}")))?;
+    Ok(fut)
+}
+
+/// Settles a future on its loop (a queued selection, a recovery), unless it
+/// was cancelled meanwhile.
 #[pyfunction]
 fn settle(fut: &Bound<'_, PyAny>, ok: bool, value: &Bound<'_, PyAny>) -> PyResult<()> {
     if fut.call_method0("done")?.is_truthy()? {
