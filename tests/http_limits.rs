@@ -446,8 +446,13 @@ async fn a_body_past_the_limit_sent_whole_gets_its_413_not_a_reset() {
     health_on(&mut c).await;
 }
 
+/// HTTP/2 gets its 413 for a body past the limit and past the stream's
+/// flow-control window, with the rest of the body read and dropped. hyper's
+/// client read the 413 before the change too (it takes the answer despite
+/// the stream reset that followed); curl did not (`(92) Stream error in the
+/// HTTP/2 framing layer`, no status) and now does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_http2_body_past_the_limit_gets_its_413_not_a_stream_reset() {
+async fn an_http2_body_past_the_limit_gets_its_413() {
     let mut config = test_config();
     config.body_limit_bytes = 1 << 20;
     let s = start_with(config).await;
