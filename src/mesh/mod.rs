@@ -392,11 +392,7 @@ impl Mesh {
                     identities: a.token_sequence.as_slice().into(),
                     chained: ev.chained,
                     track: a.track_prefill_tokens,
-                    // As a local prompt's isl_tokens is bounded, so that
-                    // no peer's figure overflows the rank's prefill sum.
-                    effective_prefill: a
-                        .initial_effective_prefill_tokens
-                        .min(crate::app::MAX_ISL_TOKENS),
+                    effective_prefill: a.initial_effective_prefill_tokens,
                     expected_output_tokens: a.expected_output_tokens,
                     lora: ev.lora_name.as_deref().map(Into::into),
                     prefill_done: false,
@@ -428,7 +424,10 @@ impl Mesh {
     }
 
     /// Books a peer's booking; a taken id is counted as a conflict.
-    fn insert_held(&self, ledger: &Ledger, id: &str, held: Held) -> bool {
+    fn insert_held(&self, ledger: &Ledger, id: &str, mut held: Held) -> bool {
+        // Bounded as a local prompt's isl_tokens is, so that no peer's
+        // figure (live or repaired) overflows the rank's prefill sum.
+        held.effective_prefill = held.effective_prefill.min(crate::app::MAX_ISL_TOKENS);
         let mut g = self.shard(id).lock();
         let booked = ledger.book(Booking {
             selection_id: id,

@@ -161,8 +161,7 @@ impl Mesh {
                 identities: b.identities.as_slice().into(),
                 chained: b.chained,
                 track: b.track_prefill_tokens,
-                // Bounded as a live message's (`Mesh::apply_slot`).
-                effective_prefill: b.effective_prefill_tokens.min(crate::app::MAX_ISL_TOKENS),
+                effective_prefill: b.effective_prefill_tokens,
                 expected_output_tokens: b.expected_output_tokens,
                 lora: b.lora_name.as_deref().map(Into::into),
                 prefill_done: false,
