@@ -423,7 +423,6 @@ impl Server {
         // `Connection: close`, nor a 503 for draining without it.
         let draining = self.app.is_shutting_down();
         let mut close = draining;
-        let mut linger = true;
         let mut resp = match self.authorize(&req, route) {
             Err(e) => error_response(e),
             Ok(()) if route == "/metrics" && (head_only || req.method == Method::GET) => {
@@ -449,7 +448,6 @@ impl Server {
                 Err(e) => {
                     // A body past the limit is not read to its end here.
                     close |= matches!(e, HttpError::BodyTimeout | HttpError::PayloadTooLarge);
-                    linger = !matches!(e, HttpError::BodyTimeout);
                     error_response(e)
                 }
             },
@@ -462,7 +460,7 @@ impl Server {
         // and nothing asked for the body: it sends nothing before our answer.
         let rest = body
             .unread()
-            .filter(|_| linger && (body.polled || !expects_continue(&req.headers)));
+            .filter(|_| body.polled || !expects_continue(&req.headers));
         if http1 && close {
             resp.headers_mut()
                 .insert(CONNECTION, HeaderValue::from_static("close"));
@@ -736,6 +734,8 @@ impl Server {
                 r
             }
             Err(_) => {
+                // It had its time: nothing more is read.
+                *done = true;
                 self.metrics.timeout(Timeout::Body);
                 Err(HttpError::BodyTimeout)
             }
@@ -907,7 +907,8 @@ struct BodySlot {
     body: Option<Incoming>,
     /// A route started reading it (so hyper sent any `100 Continue`).
     polled: bool,
-    /// It was read to its end, or broke off.
+    /// Nothing more is to be read of it: read to its end, broken off, or
+    /// past the body read timeout.
     done: bool,
 }
 
@@ -920,8 +921,7 @@ impl BodySlot {
         }
     }
 
-    /// The body, unless it was read to its end or broke off, or is known
-    /// to be empty.
+    /// The rest of the body, unless it is `done` or known to be empty.
     fn unread(&mut self) -> Option<Incoming> {
         let body = self.body.take()?;
         (!self.done && !hyper::body::Body::is_end_stream(&body)).then_some(body)
