@@ -21,8 +21,10 @@ recomputes every candidate's cost (spec 7.3) from kvselect's own
 `/overlap_scores`, `/potential_loads` and `/loads`: a split between
 candidates of equal cost is a tie, anything else a mismatch.
 
-Needs pyzmq and msgpack. Uses ports 19431-19432 (HTTP) and 39631-39633 (the
-engines). Exits 1 on any mismatch, printing each.
+Needs pyzmq and msgpack. The engines bind ports the OS picks; each server
+starts on a free port and, if that port was taken before it bound (another
+run's connection, say), starts again on another. Exits 1 on any mismatch,
+printing each.
 """
 import argparse
 import os
@@ -33,14 +35,15 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 
 import msgpack
 import zmq
 
-KV_PORT, DY_PORT = 19431, 19432
-ENGINE_PORTS = {1: 39631, 2: 39632, 3: 39633}
+# The engines' ports, set when `engines` binds them.
+ENGINE_PORTS = {1: 0, 2: 0, 3: 0}
 BS = 16
 # Two prompts the engines cache: worker 1 holds A's first 8 blocks on the
 # GPU, worker 2 its first 4, worker 3 B's first 2 on the GPU and first 6 on
@@ -493,13 +496,18 @@ def costs(srv, req):
 # ------------------------------------------------------------------- setup
 
 def engines(ctx):
+    """Binds the three engines' PUB sockets on ports the OS picks (no port
+    can be taken between choosing and binding it) and records them in
+    `ENGINE_PORTS`."""
     pubs = {}
-    for w, port in ENGINE_PORTS.items():
+    for w in ENGINE_PORTS:
         s = ctx.socket(zmq.XPUB)
         # Report every subscription, not just a topic's first: two servers
         # subscribe to the same (empty) topic.
         s.setsockopt(zmq.XPUB_VERBOSE, 1)
-        s.bind(f"tcp://127.0.0.1:{port}")
+        s.bind("tcp://127.0.0.1:*")
+        endpoint = s.getsockopt(zmq.LAST_ENDPOINT).decode()
+        ENGINE_PORTS[w] = int(endpoint.rsplit(":", 1)[1])
         pubs[w] = s
     return pubs
 
@@ -602,13 +610,36 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_for(cond, what, timeout=30.0):
-    end = time.time() + timeout
-    while time.time() < end:
-        if cond():
-            return
-        time.sleep(0.1)
-    sys.exit(f"timed out waiting for {what}")
+def launch(name, argv, env, attempts=5, timeout=60.0):
+    """Starts `argv + ["--port", P]` on a free port P and waits for its
+    `/health`; returns the process and its `Server`. A free port can be
+    taken between `free_port` closing it and the server binding it (by a
+    connection's local port, in a parallel run), so a server that exits
+    before it answers, saying its address is in use, starts again on
+    another port. Any other early exit, or no answer within `timeout`
+    seconds, ends the run with the server's output."""
+    for _ in range(attempts):
+        port = free_port()
+        log = tempfile.TemporaryFile()
+        proc = subprocess.Popen([*argv, "--port", str(port)], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+        server = Server(name, port)
+        end = time.time() + timeout
+        while time.time() < end and proc.poll() is None:
+            if _ok(server, "GET", "/health"):
+                log.close()
+                return proc, server
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log.seek(0)
+        out = log.read().decode(errors="replace")
+        log.close()
+        if "in use" not in out:
+            sys.exit(f"{name} gave no /health on port {port} within {timeout:.0f} s "
+                     f"(exit status {proc.returncode}):\n{out[-4000:]}")
+    sys.exit(f"{name} found its port in use {attempts} times:\n{out[-4000:]}")
 
 
 def main():
@@ -627,25 +658,18 @@ def main():
     env = dict(os.environ, **dict(e.split("=", 1) for e in args.env))
     set_weights(env, extra)
 
-    # Free ports for this run, so that a second run (or a leftover server)
+    # Ports of this run's own, so that a second run (or a leftover server)
     # cannot answer in place of ours.
-    global KV_PORT, DY_PORT
-    KV_PORT, DY_PORT = free_port(), free_port()
-    ENGINE_PORTS.update({w: free_port() for w in ENGINE_PORTS})
     ctx = zmq.Context()
     pubs = engines(ctx)
-    procs = [
-        subprocess.Popen([args.bin, "--port", str(KV_PORT), *extra], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT),
-        subprocess.Popen([args.dynamo_python, "-m", "dynamo.select_service", "--port", str(DY_PORT),
-                          *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT),
-    ]
-    kv, dy = Server("kvselect", KV_PORT), Server("dynamo", DY_PORT)
+    procs = []
     mismatches, listed, ties, sent = [], {}, 0, 0
     apart = set()  # sessions whose bindings a split tie set apart
     try:
-        for s in (kv, dy):
-            wait_for(lambda: _ok(s, "GET", "/health"), f"{s.name} /health")
+        kv_proc, kv = launch("kvselect", [args.bin, *extra], env)
+        procs.append(kv_proc)
+        dy_proc, dy = launch("dynamo", [args.dynamo_python, "-m", "dynamo.select_service", *extra], env)
+        procs.append(dy_proc)
         seq = prepare((kv, dy), pubs, "DYN_ROUTER_QUEUE_THRESHOLD" in env)
 
         rng = random.Random(args.seed)

@@ -306,7 +306,6 @@ def main():
     import dynamo._core as reference
     kvselect, site = load_kvselect(args.native)
 
-    H.ENGINE_PORTS.update({w: H.free_port() for w in H.ENGINE_PORTS})
     ctx = zmq.Context()
     pubs = H.engines(ctx)
     loop = asyncio.new_event_loop()
