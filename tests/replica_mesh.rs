@@ -76,11 +76,14 @@ async fn agree(rs: &[&TestServer]) -> bool {
     true
 }
 
-/// Waits until all replicas show the same `/loads`; the time it took.
-async fn converge(rs: &[&TestServer], limit: Duration) -> Option<Duration> {
+/// Waits until all replicas show the same `/loads` with `total` live
+/// bookings in all; the time it took. Agreeing is not enough: with one
+/// message in flight each way, replicas can agree while each is one
+/// booking short.
+async fn converge(rs: &[&TestServer], total: u64, limit: Duration) -> Option<Duration> {
     let t0 = Instant::now();
     while t0.elapsed() < limit {
-        if agree(rs).await {
+        if agree(rs).await && total_active(&loads(rs[0]).await) == total {
             return Some(t0.elapsed());
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -157,7 +160,7 @@ async fn three_replicas_with_5pct_dropped_converge_within_2s() {
     full_mesh(&refs).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     load(&rs, 4, 60).await;
-    let took = converge(&refs, Duration::from_secs(2)).await;
+    let took = converge(&refs, 3 * 4 * 12, Duration::from_secs(2)).await;
     let l = loads(&rs[0]).await;
     assert!(
         took.is_some(),
@@ -195,7 +198,7 @@ async fn three_replicas_without_drops_agree_within_100ms() {
     full_mesh(&refs).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     load(&rs, 4, 40).await;
-    let took = converge(&refs, Duration::from_millis(100)).await;
+    let took = converge(&refs, 3 * 4 * 8, Duration::from_millis(100)).await;
     assert!(took.is_some(), "replicas disagree 100 ms after the load");
     assert_eq!(total_active(&loads(&rs[0]).await), 3 * 4 * 8);
     for r in &rs {
@@ -210,15 +213,8 @@ async fn a_late_replica_catches_up_on_live_bookings() {
     full_mesh(&[&a, &b]).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     load(&[Arc::clone(&a), Arc::clone(&b)], 2, 20).await;
-    // Agreeing is not enough: with one message in flight each way, both
-    // show one booking short for a moment. Wait for the whole count.
-    let t0 = Instant::now();
-    while !(agree(&[&a, &b]).await && total_active(&loads(&a).await) == 2 * 2 * 4)
-        && t0.elapsed() < Duration::from_secs(1)
-    {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert!(agree(&[&a, &b]).await);
+    let took = converge(&[&a, &b], 2 * 2 * 4, Duration::from_secs(1)).await;
+    assert!(took.is_some(), "{}\n{}", loads(&a).await, loads(&b).await);
     let live = total_active(&loads(&a).await);
     assert_eq!(live, 2 * 2 * 4);
 
@@ -228,7 +224,7 @@ async fn a_late_replica_catches_up_on_live_bookings() {
         ..mesh_config(0.0)
     })
     .await;
-    let took = converge(&[&a, &b, &c], Duration::from_secs(2)).await;
+    let took = converge(&[&a, &b, &c], 2 * 2 * 4, Duration::from_secs(2)).await;
     assert!(took.is_some(), "late replica: {}", loads(&c).await);
     // A booked id of A's is taken on C.
     let r = c
@@ -244,7 +240,9 @@ async fn a_late_replica_catches_up_on_live_bookings() {
     );
     // And a later free on A reaches C.
     assert_eq!(a.delete("/reservations/r0-c0-4").await.status, 200);
-    assert!(converge(&[&a, &c], Duration::from_secs(1)).await.is_some());
+    assert!(converge(&[&a, &c], 2 * 2 * 4 - 1, Duration::from_secs(1))
+        .await
+        .is_some());
 }
 
 /// Three pinned bookings on worker `w`, so that a request no session steers
@@ -291,7 +289,10 @@ async fn a_late_replica_learns_the_session_bindings() {
         ..mesh_config(0.0)
     })
     .await;
-    assert!(converge(&[&a, &c], Duration::from_secs(2)).await.is_some());
+    // The first booking and load_up's three.
+    assert!(converge(&[&a, &c], 4, Duration::from_secs(2))
+        .await
+        .is_some());
     assert!(
         eventually(Duration::from_secs(2), || async {
             c.metric("kvselect_session_bindings").await == 1
@@ -319,7 +320,9 @@ async fn a_silent_replicas_bookings_expire_with_its_lease() {
         )
         .await;
     assert_eq!(r.status, 200);
-    assert!(converge(&[&a, &b], Duration::from_secs(1)).await.is_some());
+    assert!(converge(&[&a, &b], 1, Duration::from_secs(1))
+        .await
+        .is_some());
     assert_eq!(total_active(&loads(&b).await), 1);
     drop(a);
     let t0 = Instant::now();
