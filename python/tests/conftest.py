@@ -21,7 +21,7 @@ import importlib
 import os
 import socket
 import types
-from typing import Any, AsyncIterator, Dict, Optional
+from typing import Any, AsyncIterator, Dict, List, Optional
 
 import pytest
 
@@ -114,19 +114,39 @@ async def service(impl, **kwargs: Any) -> AsyncIterator[Any]:
 
 
 def free_port() -> int:
+    """A port that was free a moment ago, for a socket the code under test
+    binds itself. Linux often hands a just-closed port out again within a
+    few dozen binds, so a port that must stay unbound comes from
+    `unused_port`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+# The sockets that hold `unused_port`'s ports until the session ends.
+_HELD: List[socket.socket] = []
+
+
+def unused_port() -> int:
+    """A loopback port that refuses connections for the rest of the session:
+    a socket is bound to it without SO_REUSEADDR and never listens, so no
+    socket bound later (a publisher on a port the OS picks, say) can take
+    it and answer a service that connects there."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _HELD.append(s)
+    return s.getsockname()[1]
+
+
 def worker(worker_id: int, *, endpoint: Optional[str] = None, **extra: Any) -> Dict[str, Any]:
-    """A schedulable worker record whose KV-events endpoint is a free loopback
-    port (nothing needs to listen there: the SUB socket connects lazily)."""
+    """A schedulable worker record whose KV-events endpoint is an unused
+    loopback port (nothing needs to listen there: the SUB socket connects
+    lazily)."""
     rec: Dict[str, Any] = {
         "worker_id": worker_id,
         "endpoint": f"http://w{worker_id}:8000",
         "block_size": BLOCK_SIZE,
-        "kv_events_endpoints": {0: endpoint or f"tcp://127.0.0.1:{free_port()}"},
+        "kv_events_endpoints": {0: endpoint or f"tcp://127.0.0.1:{unused_port()}"},
     }
     rec.update(extra)
     return rec

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import async_test, free_port, load_row, service, wait_for, wait_loaded, worker
+from conftest import async_test, free_port, load_row, service, unused_port, wait_for, wait_loaded, worker
 
 
 def _prompt(i):
@@ -58,7 +58,7 @@ async def test_replica_sync_between_two_services(impl):
     pa, pb = free_port(), free_port()
     async with service(impl, replica_sync_port=pa, replica_sync_peers=[f"tcp://127.0.0.1:{pb}"]) as a, \
             service(impl, replica_sync_port=pb, replica_sync_peers=[f"tcp://127.0.0.1:{pa}"]) as b:
-        ep = f"tcp://127.0.0.1:{free_port()}"
+        ep = f"tcp://127.0.0.1:{unused_port()}"
         for svc in (a, b):
             await svc.upsert_worker(worker(7, endpoint=ep))
             await wait_loaded(svc, 7)
@@ -233,7 +233,7 @@ async def test_replica_peer_methods(impl):
     """``list_replica_peers`` (sync), ``register_replica_peer`` and
     ``deregister_replica_peer`` (awaitables resolving with whether the
     membership changed), as Dynamo's; without the mesh the last two fail."""
-    peer = f"tcp://127.0.0.1:{free_port()}"
+    peer = f"tcp://127.0.0.1:{unused_port()}"
     async with service(impl) as off:
         assert off.list_replica_peers() == []
         for call in (off.register_replica_peer, off.deregister_replica_peer):
@@ -258,7 +258,7 @@ async def test_indexer_snapshot_and_recovery_from_peers(impl):
     resolves with whether a peer's dump loaded (none listens here)."""
     async with service(impl) as svc:
         assert await svc.indexer_snapshot() == {}
-        dead = f"http://127.0.0.1:{free_port()}"
+        dead = f"http://127.0.0.1:{unused_port()}"
         assert await svc.recover_indexer_from_peers([dead]) is False
         assert await svc.recover_indexer_from_peers([]) is False
         with pytest.raises(TypeError):

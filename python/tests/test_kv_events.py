@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import async_test, free_port, service, wait_for, wait_loaded, worker
+from conftest import async_test, service, wait_for, wait_loaded, worker
 
 zmq = pytest.importorskip("zmq", reason="pyzmq is needed to publish KV events")
 msgpack = pytest.importorskip("msgpack", reason="msgpack is needed to encode KV events")
@@ -34,8 +34,9 @@ class Publisher:
         self.sock = self.ctx.socket(zmq.XPUB)
         self.subscribed = False
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self.sock.bind(self.endpoint)
+        # A port the OS picks: no port is chosen before it is bound.
+        self.sock.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.topic = topic
 
     def wait_subscriber(self, timeout: float) -> None:

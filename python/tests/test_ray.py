@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import IMPL, async_test, free_port, load_row
+from conftest import IMPL, async_test, load_row, unused_port
 
 ray = pytest.importorskip("ray", reason="ray is not installed (CI installs ray[serve]==2.60.0)")
 try:
@@ -110,7 +110,7 @@ async def test_tracker_round_trip_with_peer_broadcast(impl, recipe):
     for t in trackers:
         assert type(t._svc) is impl.SelectionService, type(t._svc)
     worker_id = ktt.get_worker_id("engine-replica-0")  # a 64-bit id
-    port = free_port()
+    port = unused_port()
     tokens = list(range(1, 65))  # 4 blocks of 16
     try:
         for t in trackers:

@@ -200,10 +200,20 @@ pub fn tokens(a: u32, b: u32) -> Vec<u32> {
     (a..=b).collect()
 }
 
-/// A free TCP endpoint on loopback (nothing listening).
+/// A TCP endpoint on loopback that refuses connections for the rest of
+/// the test process: a socket is bound to it without `SO_REUSEADDR` and
+/// never listens, and is kept open. Linux often hands a just-closed port
+/// out again within a few dozen binds, so a port taken from a listener
+/// dropped at once could become a parallel test's publisher, and a server
+/// subscribed here would index that test's events.
 pub fn unused_endpoint() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("tcp://{}", l.local_addr().unwrap())
+    static HELD: std::sync::Mutex<Vec<socket2::Socket>> = std::sync::Mutex::new(Vec::new());
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+    s.bind(&any.into()).unwrap();
+    let addr = s.local_addr().unwrap().as_socket().unwrap();
+    HELD.lock().unwrap().push(s);
+    format!("tcp://{addr}")
 }
 
 // ----- a vLLM-format publisher over a real ZMQ PUB socket -----
