@@ -188,17 +188,16 @@ async fn untracked_prefill_still_credits_the_cache() {
     s.worker(1, "m", BS, &unused_endpoint()).await;
     let mut cached = Publisher::bind();
     s.worker(2, "m", BS, &cached.endpoint).await;
+    // Sent once, after the server subscribed. (Resent in a loop with seq 0,
+    // a late copy is a restart: it clears worker 2's blocks while a later
+    // selection reads them.)
+    assert!(cached.wait_subscribers(1, Duration::from_secs(10)));
+    cached.send_events(&[stored(&hashes, None, &prompt, BS, "GPU")], None);
     let pinned2 = json!({"model_name": "m", "token_ids": prompt,
                          "pinned_worker": {"worker_id": 2, "dp_rank": 0}});
-    let applied = eventually(Duration::from_secs(10), || {
-        cached.seq = 0;
-        cached.send_events(&[stored(&hashes, None, &prompt, BS, "GPU")], None);
-        let pinned2 = pinned2.clone();
-        let s = &s;
-        async move {
-            let r = s.post("/select", &pinned2).await;
-            r.status == 200 && r.json()["overlap"]["gpu"] == json!(5 * BS)
-        }
+    let applied = eventually(Duration::from_secs(10), || async {
+        let r = s.post("/select", &pinned2).await;
+        r.status == 200 && r.json()["overlap"]["gpu"] == json!(5 * BS)
     })
     .await;
     assert!(applied, "the store never arrived");

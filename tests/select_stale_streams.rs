@@ -47,36 +47,38 @@ async fn a_replaying_stream_counts_half_and_the_reply_says_so() {
         s.post("/select", &json!({"model_name": "m", "token_ids": prompt}))
             .await
     };
-    // Until both stores are applied (a PUB drops what it sends before the
-    // subscription arrives, so keep sending).
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let mut applied = false;
-    while !applied && std::time::Instant::now() < deadline {
-        a.seq = 0;
-        a.send_events(
-            &[stored(
-                &hashes[..6],
-                None,
-                &prompt[..6 * BS as usize],
-                BS,
-                "GPU",
-            )],
+    // Each store is sent once, after the server subscribed: a PUB drops
+    // what it sends before the subscription arrives, and a resent seq 0 is
+    // a restart that clears the worker's blocks while later checks read
+    // them.
+    assert!(a.wait_subscribers(1, Duration::from_secs(10)));
+    assert!(b.wait_subscribers(1, Duration::from_secs(10)));
+    a.send_events(
+        &[stored(
+            &hashes[..6],
             None,
-        );
-        b.seq = 0;
-        b.send_events(&[stored(&hashes, None, &prompt, BS, "GPU")], None);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let r = select().await;
-        applied = r.status == 200 && r.json()["overlap"]["longest_matched"] == json!(10 * BS);
-    }
-    assert!(applied, "the stores never arrived");
-    let a6 = s
-        .post(
+            &prompt[..6 * BS as usize],
+            BS,
+            "GPU",
+        )],
+        None,
+    );
+    b.send_events(&[stored(&hashes, None, &prompt, BS, "GPU")], None);
+    let on_1 = || async {
+        s.post(
             "/select",
             &json!({"model_name": "m", "token_ids": prompt, "pinned_worker": {"worker_id": 1, "dp_rank": 0}}),
         )
-        .await;
-    assert_eq!(a6.json()["overlap"]["longest_matched"], json!(6 * BS));
+        .await
+    };
+    let applied = eventually(Duration::from_secs(10), || async {
+        let r = select().await;
+        r.status == 200
+            && r.json()["overlap"]["longest_matched"] == json!(10 * BS)
+            && on_1().await.json()["overlap"]["longest_matched"] == json!(6 * BS)
+    })
+    .await;
+    assert!(applied, "the stores never arrived");
 
     // Fresh, the fuller cache wins, unflagged.
     for _ in 0..5 {

@@ -216,7 +216,7 @@ pub fn unused_endpoint() -> String {
     format!("tcp://{addr}")
 }
 
-// ----- a vLLM-format publisher over a real ZMQ PUB socket -----
+// ----- a vLLM-format publisher over a real ZMQ XPUB socket -----
 
 pub struct Publisher {
     pub socket: zmq::Socket,
@@ -226,9 +226,13 @@ pub struct Publisher {
 }
 
 impl Publisher {
+    /// An XPUB (a PUB that also reports each subscription, for
+    /// [`Publisher::wait_subscribers`]) on a loopback port the OS picks.
     pub fn bind() -> Publisher {
         let ctx = zmq::Context::new();
-        let socket = ctx.socket(zmq::PUB).unwrap();
+        let socket = ctx.socket(zmq::XPUB).unwrap();
+        // Every subscription, not only a topic's first.
+        socket.set_xpub_verbose(true).unwrap();
         socket.set_linger(0).unwrap();
         socket.bind("tcp://127.0.0.1:*").unwrap();
         let endpoint = socket.get_last_endpoint().unwrap().unwrap();
@@ -238,6 +242,26 @@ impl Publisher {
             seq: 0,
             _ctx: ctx,
         }
+    }
+
+    /// Waits until `n` more subscriptions have reached the socket, so that
+    /// what is sent from now on reaches those subscribers (a PUB drops what
+    /// it sends before a subscription arrives). False after `timeout`.
+    pub fn wait_subscribers(&self, n: usize, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut seen = 0;
+        while seen < n {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX);
+            if ms == 0 || self.socket.poll(zmq::POLLIN, ms).unwrap() == 0 {
+                return false;
+            }
+            // 1 then the topic: a subscription; 0: an unsubscription.
+            if self.socket.recv_bytes(0).unwrap().first() == Some(&1) {
+                seen += 1;
+            }
+        }
+        true
     }
 
     /// Sends one batch `[ts, events, dp_rank]` with the next seq, in vLLM
