@@ -340,6 +340,17 @@ async fn malformed_messages_are_dropped_and_the_stream_flows() {
 async fn metrics_count_applied_and_refused_events() {
     let s = start().await;
     let mut p = kv_worker(&s, 200, "m").await;
+    // The probe's removal shows in the index before its counters move:
+    // wait for the stream's last seq, written after them.
+    let last = p.seq - 1;
+    assert!(
+        eventually(WAIT, || async {
+            s.metric_labelled("kvselect_kv_stream_last_seq", "worker_id=\"200\"")
+                .await
+                == last
+        })
+        .await
+    );
     let name = |n: &'static str| format!("kvselect_ingest_{n}_total");
     let stored0 = s.metric(&name("blocks_stored")).await;
     let removed0 = s.metric(&name("blocks_removed")).await;

@@ -163,7 +163,11 @@ fn age_gaps_malformed_and_queue_follow_the_stream() {
     );
 
     publisher.send(0, &batch(0, now_ts()));
-    wait_for("seq 0 applied", || stream(addr, 1)["last_seq"] == 0);
+    // The last seq is written before the age and the engine delay.
+    wait_for("seq 0 applied", || {
+        let s = stream(addr, 1);
+        s["last_seq"] == 0 && s["engine_delay_seconds"].is_number()
+    });
     let s = stream(addr, 1);
     let fresh = f(&s, "last_applied_age_seconds");
     assert!((0.0..2.0).contains(&fresh), "{s}");
@@ -177,7 +181,10 @@ fn age_gaps_malformed_and_queue_follow_the_stream() {
 
     // An event resets it. A batch stamped 30 s ago shows that delay.
     publisher.send(1, &batch(1, now_ts() - 30.0));
-    wait_for("seq 1 applied", || stream(addr, 1)["last_seq"] == 1);
+    wait_for("seq 1 applied", || {
+        let s = stream(addr, 1);
+        s["last_seq"] == 1 && s["engine_delay_seconds"].as_f64() >= Some(30.0)
+    });
     let s = stream(addr, 1);
     let reset = f(&s, "last_applied_age_seconds");
     assert!(reset < silent && reset < 1.0, "{reset} after {silent}: {s}");
@@ -204,7 +211,19 @@ fn age_gaps_malformed_and_queue_follow_the_stream() {
         publisher.send(seq, &batch(seq, now_ts()));
     }
     let last = 5 + n;
-    wait_for("burst applied", || stream(addr, 1)["last_seq"] == last);
+    // Every batch observed: 3 singles and the burst (the delay histograms
+    // are flushed at the end of an ingest round, after the last seq).
+    let applied = 3.0 + n as f64;
+    wait_for("burst applied", || {
+        let s = stream(addr, 1);
+        s["last_seq"] == last
+            && s["queued_batches"] == 0
+            && metric(
+                &get(addr, "/metrics"),
+                "kvselect_ingest_apply_delay_seconds_count",
+                "",
+            ) == Some(applied)
+    });
     let s = stream(addr, 1);
     assert_eq!(s["queued_batches"], 0, "{s}");
     assert_eq!(s["gaps"], 1, "{s}");
@@ -228,8 +247,6 @@ fn age_gaps_malformed_and_queue_follow_the_stream() {
     let age = metric(&text, "kvselect_kv_stream_last_applied_age_seconds", w).expect("age");
     assert!((0.0..5.0).contains(&age), "{age}");
     assert!(metric(&text, "kvselect_kv_stream_engine_delay_seconds", w).is_some());
-    // Every applied batch was observed: 3 singles and the burst.
-    let applied = 3.0 + n as f64;
     assert_eq!(
         metric(&text, "kvselect_ingest_apply_delay_seconds_count", ""),
         Some(applied)
@@ -293,9 +310,18 @@ fn a_replayed_gap_counts_one_gap_and_one_replay() {
     wait_for("seq 0 applied", || stream(addr, 2)["last_seq"] == 0);
     // Seq 1 and 2 are missed; the replay brings them, then 3 applies.
     publisher.send(3, &batch(3, now_ts()));
+    // The state and the queue are published after the last seq, and the
+    // delay histogram at the end of the ingest round.
     wait_for("replay done", || {
         let s = stream(addr, 2);
-        s["last_seq"] == 3 && s["state"] == "live"
+        s["last_seq"] == 3
+            && s["state"] == "live"
+            && s["queued_batches"] == 0
+            && metric(
+                &get(addr, "/metrics"),
+                "kvselect_ingest_apply_delay_seconds_count",
+                "",
+            ) == Some(4.0)
     });
     assert_eq!(served.join().unwrap(), 1, "replay asked from seq 1");
     let s = stream(addr, 2);
@@ -339,7 +365,11 @@ fn a_gap_waiting_for_its_replay_shows_in_the_queue_until_it_is_given_up() {
     wait_for("seq 0 applied", || stream(addr, 3)["last_seq"] == 0);
     // Seq 1 is missed: seq 2 waits, received but unapplied, for the replay.
     publisher.send(2, &batch(2, now_ts()));
-    wait_for("replaying", || stream(addr, 3)["state"] == "replaying");
+    // The queue is published after the state.
+    wait_for("replaying", || {
+        let s = stream(addr, 3);
+        s["state"] == "replaying" && s["queued_batches"] == 1
+    });
     let s = stream(addr, 3);
     assert_eq!(s["queued_batches"], 1, "{s}");
     assert_eq!(s["last_seq"], 0, "{s}");
@@ -364,7 +394,14 @@ fn a_gap_waiting_for_its_replay_shows_in_the_queue_until_it_is_given_up() {
     // its receipt-to-application delay shows the wait.
     wait_for("replay given up", || {
         let s = stream(addr, 3);
-        s["last_seq"] == 2 && s["state"] == "live"
+        s["last_seq"] == 2
+            && s["state"] == "live"
+            && s["queued_batches"] == 0
+            && metric(
+                &get(addr, "/metrics"),
+                "kvselect_ingest_apply_delay_seconds_count",
+                "",
+            ) == Some(2.0)
     });
     let s = stream(addr, 3);
     assert_eq!(s["queued_batches"], 0, "{s}");

@@ -253,6 +253,10 @@ fn vllm_wire_forms_reach_the_index() {
     p.send(3, &batch(&[store(&[77], None, range(1, 16))], Some(5)));
     wait_until("rank-5 store", || device_of(&index, &prompt, 1, 5) == 1);
     assert_eq!(device_of(&index, &prompt, 1, 0), 3);
+    // The index moves before the counters; the last seq is written last.
+    wait_until("counters of seq 3", || {
+        hub.stats().listeners[0].last_seq == Some(3)
+    });
 
     let st = hub.stats();
     assert_eq!(st.counters.batches_applied, 4);
@@ -441,8 +445,9 @@ fn dead_replay_socket_times_out_without_stalling_the_thread() {
     assert_eq!(c.gaps_lost, 1);
     // Without a replay endpoint a gap is counted and the batch still applies.
     p2.send(5, &batch(&[store(&[6], None, range(1, 16))], None));
-    wait_until("gap without replay", || hub.stats().counters.gaps == 2);
-    assert_eq!(hub.stats().counters.gaps_lost, 2);
+    // `gaps` moves first, then `gaps_lost` when the batch applies alone.
+    wait_until("gap without replay", || hub.stats().counters.gaps_lost == 2);
+    assert_eq!(hub.stats().counters.gaps, 2);
 }
 
 #[test]
@@ -547,6 +552,10 @@ fn endpoint_change_and_removal_stop_the_old_listener() {
         &batch(&[store(&[1, 2, 3, 4], None, prompt.clone())], None),
     );
     wait_until("store on B", || device_of(&index, &prompt, 7, 0) == 4);
+    // The index moves before the counters.
+    wait_until("counters of B's store", || {
+        hub.stats().counters.batches_applied >= 3
+    });
     let c = hub.stats().counters;
     assert_eq!(c.batches_applied, 3, "nothing from A after the change");
     assert_eq!(c.messages, 3);
@@ -688,12 +697,13 @@ fn streams_added_after_removals_are_woken_at_once() {
             live.push((worker, p));
         }
     }
-    let started = Instant::now();
     let mut applied = hub.stats().counters.batches_applied;
+    let mut trips = Vec::new();
     for (k, (_, p)) in live.iter().enumerate() {
         for seq in 0..4 {
             let h = 9000 + 16 * k as u64 + seq;
             let t0 = h as u32 * BS;
+            let sent = Instant::now();
             p.send(
                 seq,
                 &batch(&[store(&[h], None, range(t0, t0 + BS - 1))], None),
@@ -702,13 +712,16 @@ fn streams_added_after_removals_are_woken_at_once() {
             wait_until("batch applied", || {
                 hub.stats().counters.batches_applied == applied
             });
+            trips.push(sent.elapsed());
         }
     }
-    // 16 round trips; one stream left out of the set would take ~3 s.
-    assert!(
-        started.elapsed() < Duration::from_millis(2000),
-        "{:?}",
-        started.elapsed()
-    );
+    // A stream left out of the set waits for the sweep: at least three of
+    // its four round trips take about a second. One slow trip on a loaded
+    // machine is not that.
+    let slow = trips
+        .iter()
+        .filter(|t| **t > Duration::from_millis(600))
+        .count();
+    assert!(slow <= 1, "round trips {trips:?}");
     assert_eq!(hub.stats().counters.gaps, 0);
 }
