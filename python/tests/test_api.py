@@ -284,7 +284,9 @@ async def test_create_reservation_replay_and_explicit(impl):
 
 @async_test
 async def test_selection_cache_config_limits(impl):
-    cache = impl.SelectionCacheConfig(ttl_secs=0.5, max_entries=2)
+    # A TTL that the reservation of "y" right after its selection fits in,
+    # on a loaded machine too.
+    cache = impl.SelectionCacheConfig(ttl_secs=1.0, max_entries=2)
     async with service(impl, selection_cache=cache) as svc:
         await svc.upsert_worker(worker(1))
         await wait_loaded(svc, 1)
@@ -294,7 +296,7 @@ async def test_selection_cache_config_limits(impl):
             await svc.create_reservation({"selection_id": "x"})  # evicted (cap 2)
         assert ei.value.kind == "not_found"
         await svc.create_reservation({"selection_id": "y"})
-        await asyncio.sleep(0.8)
+        await asyncio.sleep(1.5)
         with pytest.raises(impl.SelectionServiceError) as ei:
             await svc.create_reservation({"selection_id": "z"})  # expired (TTL)
         assert ei.value.kind == "not_found"

@@ -16,10 +16,12 @@
 //! read is exactly what makes an index stale. It is exact to within one
 //! round (a batch that arrived while the previous round was applying is
 //! counted from the next wait's return). What it cannot see is a thread
-//! that the kernel has woken but not yet run; with the appliers at a higher
-//! scheduling priority than the HTTP threads (`runtime.rs`), that wait is
-//! short. A stream whose replay is running parks its batches outside this
-//! measure; it is the stream-level staleness of `/workers` instead.
+//! that the kernel has woken but not yet run: the appliers run at the same
+//! scheduling priority as the HTTP threads, so on a busy core that wait
+//! lasts until the scheduler gets to them. Ingest threads on cores of
+//! their own (README, "Deployment") keep it short. A stream whose replay is
+//! running parks its batches outside this measure; it is the stream-level
+//! staleness of `/workers` instead.
 //!
 //! Catching up wakes the waiting requests (a `tokio::sync::Notify` for the
 //! HTTP path, a condition variable for blocking callers), only when
