@@ -64,6 +64,24 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     panic!("timed out waiting for {what}");
 }
 
+/// Waits until worker `w`'s stream applied `seq` and is live with nothing
+/// queued, and the delay histogram counts `observed` batches. The listener
+/// writes the last seq first, then the state and the queue, and flushes
+/// the histograms at the end of its round.
+fn wait_settled(addr: SocketAddr, w: u64, seq: u64, observed: f64) {
+    wait_for(&format!("worker {w} settled at seq {seq}"), || {
+        let s = stream(addr, w);
+        s["last_seq"] == seq
+            && s["state"] == "live"
+            && s["queued_batches"] == 0
+            && metric(
+                &get(addr, "/metrics"),
+                "kvselect_ingest_apply_delay_seconds_count",
+                "",
+            ) == Some(observed)
+    });
+}
+
 fn now_ts() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -211,19 +229,9 @@ fn age_gaps_malformed_and_queue_follow_the_stream() {
         publisher.send(seq, &batch(seq, now_ts()));
     }
     let last = 5 + n;
-    // Every batch observed: 3 singles and the burst (the delay histograms
-    // are flushed at the end of an ingest round, after the last seq).
+    // Every batch observed: 3 singles and the burst.
     let applied = 3.0 + n as f64;
-    wait_for("burst applied", || {
-        let s = stream(addr, 1);
-        s["last_seq"] == last
-            && s["queued_batches"] == 0
-            && metric(
-                &get(addr, "/metrics"),
-                "kvselect_ingest_apply_delay_seconds_count",
-                "",
-            ) == Some(applied)
-    });
+    wait_settled(addr, 1, last, applied);
     let s = stream(addr, 1);
     assert_eq!(s["queued_batches"], 0, "{s}");
     assert_eq!(s["gaps"], 1, "{s}");
@@ -310,19 +318,8 @@ fn a_replayed_gap_counts_one_gap_and_one_replay() {
     wait_for("seq 0 applied", || stream(addr, 2)["last_seq"] == 0);
     // Seq 1 and 2 are missed; the replay brings them, then 3 applies.
     publisher.send(3, &batch(3, now_ts()));
-    // The state and the queue are published after the last seq, and the
-    // delay histogram at the end of the ingest round.
-    wait_for("replay done", || {
-        let s = stream(addr, 2);
-        s["last_seq"] == 3
-            && s["state"] == "live"
-            && s["queued_batches"] == 0
-            && metric(
-                &get(addr, "/metrics"),
-                "kvselect_ingest_apply_delay_seconds_count",
-                "",
-            ) == Some(4.0)
-    });
+    // The replay is done, and 3 applied after it.
+    wait_settled(addr, 2, 3, 4.0);
     assert_eq!(served.join().unwrap(), 1, "replay asked from seq 1");
     let s = stream(addr, 2);
     assert_eq!(
@@ -392,17 +389,7 @@ fn a_gap_waiting_for_its_replay_shows_in_the_queue_until_it_is_given_up() {
 
     // The replay times out (2 s): the gap is given up, seq 2 applies and
     // its receipt-to-application delay shows the wait.
-    wait_for("replay given up", || {
-        let s = stream(addr, 3);
-        s["last_seq"] == 2
-            && s["state"] == "live"
-            && s["queued_batches"] == 0
-            && metric(
-                &get(addr, "/metrics"),
-                "kvselect_ingest_apply_delay_seconds_count",
-                "",
-            ) == Some(2.0)
-    });
+    wait_settled(addr, 3, 2, 2.0);
     let s = stream(addr, 3);
     assert_eq!(s["queued_batches"], 0, "{s}");
     assert_eq!(
