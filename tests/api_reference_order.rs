@@ -191,7 +191,7 @@ async fn untracked_prefill_still_credits_the_cache() {
     // Sent once, after the server subscribed. (Resent in a loop with seq 0,
     // a late copy is a restart: it clears worker 2's blocks while a later
     // selection reads them.)
-    assert!(cached.wait_subscribers(1, Duration::from_secs(10)));
+    cached.wait_subscriber();
     cached.send_events(&[stored(&hashes, None, &prompt, BS, "GPU")], None);
     let pinned2 = json!({"model_name": "m", "token_ids": prompt,
                          "pinned_worker": {"worker_id": 2, "dp_rank": 0}});

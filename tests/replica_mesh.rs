@@ -105,6 +105,20 @@ async fn converge(rs: &[&TestServer], total: u64, limit: Duration) -> Option<Dur
     None
 }
 
+/// Waits (2 s at most each) until `b` shows `a`'s `/loads` with `live`
+/// bookings, and holds `bindings` session bindings.
+async fn caught_up(a: &TestServer, b: &TestServer, live: u64, bindings: u64) {
+    assert!(converge(&[a, b], live, Duration::from_secs(2))
+        .await
+        .is_some());
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            b.metric("kvselect_session_bindings").await == bindings
+        })
+        .await
+    );
+}
+
 fn total_active(v: &Value) -> u64 {
     v.as_array()
         .unwrap()
@@ -301,15 +315,7 @@ async fn a_late_replica_learns_the_session_bindings() {
     })
     .await;
     // The first booking and load_up's three.
-    assert!(converge(&[&a, &c], 4, Duration::from_secs(2))
-        .await
-        .is_some());
-    assert!(
-        eventually(Duration::from_secs(2), || async {
-            c.metric("kvselect_session_bindings").await == 1
-        })
-        .await
-    );
+    caught_up(&a, &c, 4, 1).await;
     assert_ne!(picked(&c, None).await, w, "w carries the load on C too");
     assert_eq!(picked(&c, Some("L")).await, w);
 }
@@ -740,15 +746,7 @@ async fn a_replayed_reservation_binds_its_session() {
     load_up(&a, &w).await;
     // B holds x1 and the three pinned bookings, and the binding: until then
     // its idle workers tie, and a pick can land on w by chance.
-    assert!(converge(&[&a, &b], 4, Duration::from_secs(2))
-        .await
-        .is_some());
-    assert!(
-        eventually(Duration::from_secs(2), || async {
-            b.metric("kvselect_session_bindings").await == 1
-        })
-        .await
-    );
+    caught_up(&a, &b, 4, 1).await;
     for s in [&a, &b] {
         assert!(
             eventually(Duration::from_secs(2), || async {

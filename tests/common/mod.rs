@@ -227,7 +227,7 @@ pub struct Publisher {
 
 impl Publisher {
     /// An XPUB (a PUB that also reports each subscription, for
-    /// [`Publisher::wait_subscribers`]) on a loopback port the OS picks.
+    /// [`Publisher::wait_subscriber`]) on a loopback port the OS picks.
     pub fn bind() -> Publisher {
         let ctx = zmq::Context::new();
         let socket = ctx.socket(zmq::XPUB).unwrap();
@@ -244,24 +244,19 @@ impl Publisher {
         }
     }
 
-    /// Waits until `n` more subscriptions have reached the socket, so that
-    /// what is sent from now on reaches those subscribers (a PUB drops what
-    /// it sends before a subscription arrives). False after `timeout`.
-    pub fn wait_subscribers(&self, n: usize, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        let mut seen = 0;
-        while seen < n {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX);
-            if ms == 0 || self.socket.poll(zmq::POLLIN, ms).unwrap() == 0 {
-                return false;
-            }
-            // 1 then the topic: a subscription; 0: an unsubscription.
-            if self.socket.recv_bytes(0).unwrap().first() == Some(&1) {
-                seen += 1;
-            }
-        }
-        true
+    /// Waits (10 s at most) for a subscription, so that what is sent from
+    /// now on reaches that subscriber (a PUB drops what it sends before a
+    /// subscription arrives).
+    pub fn wait_subscriber(&self) {
+        self.socket.set_rcvtimeo(10_000).unwrap();
+        // 1 then the topic: a subscription; 0: an unsubscription.
+        while self
+            .socket
+            .recv_bytes(0)
+            .expect("no subscriber within 10 s")
+            .first()
+            != Some(&1)
+        {}
     }
 
     /// Sends one batch `[ts, events, dp_rank]` with the next seq, in vLLM
